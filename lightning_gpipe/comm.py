@@ -1,0 +1,228 @@
+"""Point-to-point messages between stages over torch.distributed: tensor tuples with a shape/dtype header.
+
+Every directed pair of ranks that talks gets a process group of its own, used by one sending thread
+(the sender's main thread, with non-blocking ``isend``) and one receiving thread (an :class:`Inbox`).
+The inbox thread posts the next receive as soon as the last one lands, so a message travels while
+the receiver computes; the main thread only takes finished messages from a queue, and while it waits
+it checks the failure board, so a failed peer never leaves it hanging.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gpipe.failure import FailureBoard, PipelineError
+from lightning_gpipe.topology import PipeLayout
+
+__all__ = ["Message", "Link", "Inbox", "Channels", "encode", "decode", "HEADER_LEN"]
+
+HEADER_LEN = 96
+_DATA, _CLOSE = 1, 2
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+#: Receives block in a thread for as long as a peer is quiet (validation, a checkpoint write), so the
+#: transport's own timeout is effectively off; the bound on a wait is enforced by Inbox.get instead.
+_FOREVER = timedelta(days=365)
+
+
+@dataclass
+class Message:
+    """What one stage sent another: tensors (``None`` where there is nothing) and how to rebuild them."""
+
+    values: tuple[Optional[Tensor], ...]
+    requires_grad: tuple[bool, ...]
+    is_tuple: bool
+
+
+def encode(values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool) -> Tensor:
+    """The fixed-size int64 header that announces a message: count, then dtype, grad flag and shape of each."""
+    fields = [_DATA, int(is_tuple), len(values)]
+    for value, flag in zip(values, requires_grad):
+        if value is None:
+            fields += [-1, 0, 0]
+            continue
+        if value.dtype not in _CODES:
+            raise TypeError(f"Cannot send a tensor of dtype {value.dtype} between stages.")
+        fields += [_CODES[value.dtype], int(flag), value.dim(), *value.shape]
+    if len(fields) > HEADER_LEN:
+        raise ValueError(
+            f"A stage output with {len(values)} tensors of these shapes does not fit the {HEADER_LEN}-field message "
+            "header; return fewer tensors (or fewer dimensions) at a stage boundary."
+        )
+    return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
+
+
+def decode(header: Tensor) -> Optional[list[tuple[Optional[torch.dtype], bool, tuple[int, ...]]]]:
+    """The tensor specs a header announces, or ``None`` for the close message."""
+    fields = header.tolist()
+    if fields[0] == _CLOSE:
+        return None
+    if fields[0] != _DATA:
+        raise PipelineError(f"Received a malformed message header {fields[:8]}...; the stages are out of step.")
+    specs, pos = [], 3
+    for _ in range(fields[2]):
+        code, flag, ndim = fields[pos:pos + 3]
+        shape = tuple(fields[pos + 3:pos + 3 + ndim])
+        specs.append((None if code < 0 else _DTYPES[code], bool(flag), shape))
+        pos += 3 + ndim
+    return specs
+
+
+class Link:
+    """The sending end of one directed pair: non-blocking sends that are waited for at :meth:`flush`."""
+
+    def __init__(self, group: dist.ProcessGroup, dst: int) -> None:
+        self.group, self.dst = group, dst
+        self._pending: list[tuple[dist.Work, Tensor]] = []
+
+    def send(self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool = True) -> None:
+        """Start sending ``values``; the tensors are kept alive until they are delivered."""
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        header = encode(values, requires_grad, is_tuple)
+        self._pending.append((dist.isend(header, self.dst, group=self.group), header))
+        for value in values:
+            if value is not None:
+                value = value.detach().contiguous()
+                self._pending.append((dist.isend(value, self.dst, group=self.group), value))
+
+    def flush(self) -> None:
+        """Wait until everything sent so far has been received."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Tell the peer's inbox that no more messages come."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = _CLOSE
+        self._pending.append((dist.isend(header, self.dst, group=self.group), header))
+        self.flush()
+
+
+class Inbox:
+    """The receiving end of one directed pair: a thread that receives messages in order into a queue."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, name: str, board: FailureBoard,
+                 timeout: float) -> None:
+        self.group, self.src, self.device, self.name = group, src, device, name
+        self.board, self.timeout = board, timeout
+        self._queue: "queue.Queue[object]" = queue.Queue()
+        self._thread = threading.Thread(target=self._receive, name=f"lightning-gpipe-inbox-{src}", daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            while True:
+                header = torch.empty(HEADER_LEN, dtype=torch.int64)
+                dist.recv(header, self.src, group=self.group)
+                specs = decode(header)
+                if specs is None:
+                    self._queue.put(None)
+                    return
+                values = []
+                for dtype, _, shape in specs:
+                    if dtype is None:
+                        values.append(None)
+                        continue
+                    value = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.recv(value, self.src, group=self.group)
+                    values.append(value)
+                self._queue.put(Message(tuple(values), tuple(f for _, f, _ in specs), bool(header[1])))
+        except BaseException as error:  # a dead peer closes the connection: hand the error to the main thread
+            self._queue.put(error)
+
+    def get(self) -> Message:
+        """The next message; raises :class:`PipelineError` if a peer failed or nothing came for ``timeout`` s."""
+        start = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                self.board.raise_if_failed(every=0.25)
+                if time.monotonic() - start > self.timeout:
+                    raise PipelineError(
+                        f"No message from {self.name} for {self.timeout:.0f}s; it is hung or gone. "
+                        "Raise GPipeStrategy(timeout=...) if a stage really needs that long."
+                    ) from None
+                continue
+            if isinstance(item, Message):
+                return item
+            if item is None:
+                raise PipelineError(f"{self.name} closed its link while this stage still expected a message.")
+            self.board.raise_if_failed()  # prefer the peer's own account of its failure
+            raise PipelineError(f"Lost the connection to {self.name}: {item}") from item  # type: ignore[misc]
+
+    def join(self, timeout: float) -> None:
+        """Wait for the close message that ends the thread."""
+        self._thread.join(timeout)
+
+
+class Channels:
+    """All links and inboxes of one rank, built collectively by every rank of the job.
+
+    The pairs that talk in a pipeline ``s_0 .. s_{K-1}``: neighbours both ways (activations forward,
+    gradients backward), the last stage to every other (the shared output), and the first stage to every
+    other (the gradient of the pipeline input, when it needs one).
+    """
+
+    def __init__(self, layout: PipeLayout, rank: int, device: torch.device, board: FailureBoard,
+                 timeout: float, backend: Optional[str] = None) -> None:
+        self.rank = rank
+        self.links: dict[int, Link] = {}
+        self.inboxes: dict[int, Inbox] = {}
+        self._groups: list[dist.ProcessGroup] = []
+        backend = backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        pairs: set[tuple[int, int]] = set()
+        for ranks in layout.pipelines:
+            for a, b in zip(ranks, ranks[1:]):
+                pairs |= {(a, b), (b, a)}
+            pairs |= {(ranks[-1], r) for r in ranks[:-1]} | {(ranks[0], r) for r in ranks[1:]}
+        for src, dst in sorted(pairs):  # every rank creates every group, in the same order
+            group = dist.new_group([src, dst], backend=backend, timeout=_FOREVER)
+            if rank == src:
+                self.links[dst] = Link(group, dst)
+            if rank == dst:
+                stage = layout.stage_of(src)
+                self.inboxes[src] = Inbox(group, src, device, f"stage {stage} (rank {src})", board, timeout)
+            if rank in (src, dst):
+                self._groups.append(group)
+
+    def send(self, dst: int, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool],
+             is_tuple: bool = True) -> None:
+        """Start sending ``values`` to rank ``dst``."""
+        self.links[dst].send(values, requires_grad, is_tuple)
+
+    def recv(self, src: int) -> Message:
+        """The next message from rank ``src``."""
+        return self.inboxes[src].get()
+
+    def flush(self) -> None:
+        """Wait until every message sent so far was received."""
+        for link in self.links.values():
+            link.flush()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """End every inbox thread (peers do the same for ours) and free the groups; call on every rank."""
+        for link in self.links.values():
+            link.close()
+        for inbox in self.inboxes.values():
+            inbox.join(timeout)
+        for group in self._groups:
+            dist.destroy_process_group(group)
+        self.links.clear()
+        self.inboxes.clear()
+        self._groups.clear()

@@ -1,0 +1,288 @@
+"""One rank's part of a fill-drain pipeline: its stage's micro-batch loop and the autograd bridge.
+
+The forward (fill) runs inside one ``torch.autograd.Function``, so the caller's code is unchanged:
+it gets the backbone's real output on every rank, computes its loss and calls ``backward``. That
+backward is the drain: micro-batches in reverse, each recomputed if it was checkpointed, each input
+gradient sent to the previous stage. Parameter gradients build up in place, as in a one-device run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gpipe import microbatch
+from lightning_gpipe.comm import Channels, Message
+from lightning_gpipe.rng import isolated_rng, layer_seed, seed_layer
+from lightning_gpipe.schedule import checkpointed, fill_drain
+
+__all__ = ["StageRunner", "Tracer", "is_recomputing"]
+
+#: ``tracer(kind, micro, start, end)``: called after each task with ``time.perf_counter`` stamps;
+#: kinds are "forward", "recompute", "backward" and "wait" (for a message).
+Tracer = Callable[[str, int, float, float], None]
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed micro-batch is being recomputed for its backward.
+
+    A layer that changes state in its forward (a running statistic, a counter) checks this to change
+    it once per micro-batch, not twice. BatchNorm's running statistics are handled by the engine.
+    """
+    return getattr(_local, "recomputing", False)
+
+
+@contextmanager
+def _recomputing(stage: nn.Module) -> Iterator[None]:
+    # The recompute must not move BatchNorm's running statistics a second time: keep them aside.
+    norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    saved = [[b.clone() for b in m.buffers()] for m in norms]
+    _local.recomputing = True
+    try:
+        yield
+    finally:
+        _local.recomputing = False
+        with torch.no_grad():
+            for m, values in zip(norms, saved):
+                for b, v in zip(m.buffers(), values):
+                    b.copy_(v)
+
+
+def _as_leaf(t: Tensor) -> Tensor:
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+@dataclass
+class _Run:
+    """What one training forward leaves behind for its backward."""
+
+    call: int
+    autocast: tuple[bool, torch.dtype]
+    inputs: list[Any] = field(default_factory=list)  # per micro-batch: the stage input (leaves)
+    outputs: list[Optional[tuple[Tensor, ...]]] = field(default_factory=list)  # None when checkpointed
+    in_grad: list[bool] = field(default_factory=list)  # whether the previous stage waits for input grads
+    out_grad: list[bool] = field(default_factory=list)  # whether the next stage sends output grads
+    sizes: list[int] = field(default_factory=list)  # micro-batch sizes
+    input_needs_grad: bool = False
+
+
+class StageRunner:
+    """Runs stage ``stage`` of the pipeline on ranks ``ranks``: the engine behind ``GPipe.forward``.
+
+    ``layers`` are this stage's ``(index in the full Sequential, layer)`` pairs; the index keys the
+    random streams, so a layer draws the same numbers whichever stage it lands in.
+    """
+
+    def __init__(self, layers: list[tuple[int, nn.Module]], stage: int, ranks: list[int],
+                 channels: Optional[Channels], chunks: int, checkpoint: str, device: torch.device, seed: int) -> None:
+        checkpointed(checkpoint, 0, 1)  # validates the mode
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"`chunks` must be a positive integer (micro-batches per batch), got {chunks!r}.")
+        if len(ranks) > 1 and channels is None:
+            raise ValueError("A pipeline of several stages needs `channels` to talk over.")
+        self.layers, self.stage, self.ranks = layers, stage, ranks
+        self.channels, self.chunks, self.checkpoint = channels, chunks, checkpoint
+        self.device, self.seed = device, seed
+        self.calls = 0
+        self.tracer: Optional[Tracer] = None
+        self._modules = nn.ModuleList(m for _, m in layers)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == len(self.ranks) - 1
+
+    def __call__(self, batch: Any) -> microbatch.Outputs:
+        """The backbone's output for ``batch``, on every rank of the pipeline."""
+        call = self.calls
+        self.calls += 1
+        if not torch.is_grad_enabled():
+            return microbatch.from_tuple(*self._fill(batch, call, None))
+        leaves = microbatch.tensors(batch)
+        anchor = torch.empty(0, device=self.device, requires_grad=True)  # see _Bridge
+        box: dict[str, bool] = {}
+        values = _Bridge.apply(self, batch, call, box, anchor, *leaves)
+        return microbatch.from_tuple(values, box["is_tuple"])
+
+    # -- forward (fill) ------------------------------------------------------------------------------
+
+    def _run_layers(self, x: Any, call: int, micro: int) -> tuple[tuple[Tensor, ...], bool]:
+        with isolated_rng(self.device):
+            for index, layer in self.layers:
+                seed_layer(layer_seed(self.seed, call, micro, index), self.device)
+                x = layer(x)
+        try:
+            return microbatch.as_tuple(x), not isinstance(x, Tensor)
+        except TypeError as error:
+            index, layer = self.layers[-1]
+            where = "the pipeline's output" if self.is_last else f"the boundary to stage {self.stage + 1}"
+            raise TypeError(
+                f"Layer {index} ({type(layer).__name__}), the last of stage {self.stage}, {error} at {where}. "
+                "Make it return a Tensor or a tuple of Tensors, or move the stage boundary with `balance`."
+            ) from None
+
+    def _recv(self, src: int, micro: int) -> Message:
+        start = time.perf_counter()
+        message = self.channels.recv(src)  # type: ignore[union-attr]
+        if self.tracer is not None:
+            self.tracer("wait", micro, start, time.perf_counter())
+        return message
+
+    def _fill(self, batch: Any, call: int, run: Optional[_Run]) -> tuple[tuple[Tensor, ...], bool]:
+        """Every micro-batch through this stage, in order; returns the pipeline's output and its tuple-ness."""
+        train = run is not None
+        sizes = microbatch.split_sizes(microbatch.batch_size(batch), self.chunks)  # every rank checks the batch
+        micro_inputs = microbatch.split(batch, sizes) if self.is_first else []
+        needs_grad = train and any(p.requires_grad for p in self._modules.parameters())
+        outputs: list[tuple[Tensor, ...]] = []
+        is_tuple = False
+        for task in fill_drain(self.chunks, self.checkpoint)[0]:
+            i = task.micro
+            if self.is_first:
+                x = microbatch.map_tensors(_as_leaf, micro_inputs[i]) if train else micro_inputs[i]
+                in_flags = [t.requires_grad for t in microbatch.tensors(x)]
+            else:
+                message = self._recv(self.ranks[self.stage - 1], i)
+                in_flags = list(message.requires_grad) if train else []
+                values = tuple(v.requires_grad_() if train and f else v  # type: ignore[union-attr]
+                               for v, f in zip(message.values, message.requires_grad))
+                x = microbatch.from_tuple(values, message.is_tuple)  # type: ignore[arg-type]
+            keep = train and not checkpointed(self.checkpoint, i, self.chunks)
+            start = time.perf_counter()
+            with torch.set_grad_enabled(keep):
+                y, is_tuple = self._run_layers(x, call, i)
+            if self.tracer is not None:
+                self.tracer("forward", i, start, time.perf_counter())
+            out_flags = [train and t.is_floating_point() and (needs_grad or any(in_flags)) for t in y]
+            if run is not None:
+                run.inputs.append(x)
+                run.outputs.append(y if keep else None)
+                run.in_grad.append(any(in_flags))
+                run.out_grad.append(any(out_flags))
+            if self.is_last:
+                self._check_batch_dim(y, sizes[i])
+                outputs.append(tuple(t.detach() for t in y))
+            else:
+                self.channels.send(self.ranks[self.stage + 1], y, out_flags, is_tuple)  # type: ignore[union-attr]
+        if run is not None:
+            run.sizes = sizes
+        return self._share(outputs, is_tuple)
+
+    def _check_batch_dim(self, y: tuple[Tensor, ...], size: int) -> None:
+        for t in y:
+            if t.dim() == 0 or t.shape[0] != size:
+                raise ValueError(
+                    f"The backbone's output has shape {tuple(t.shape)} for a micro-batch of {size} samples; the "
+                    "micro-batch outputs are joined along dim 0, so every output tensor must keep the batch in dim 0."
+                )
+
+    def _share(self, outputs: list[tuple[Tensor, ...]], is_tuple: bool) -> tuple[tuple[Tensor, ...], bool]:
+        """The last stage joins the micro-batch outputs and sends them to every other stage."""
+        if self.is_last:
+            values = microbatch.gather(outputs)
+            for rank in self.ranks[:-1]:
+                self.channels.send(rank, values, [False] * len(values), is_tuple)  # type: ignore[union-attr]
+        else:
+            message = self._recv(self.ranks[-1], -1)
+            values, is_tuple = message.values, message.is_tuple  # type: ignore[assignment]
+        if self.channels is not None:
+            self.channels.flush()
+        return values, is_tuple
+
+    # -- backward (drain) ----------------------------------------------------------------------------
+
+    def _drain(self, run: _Run, grads: tuple[Optional[Tensor], ...]) -> list[Optional[Tensor]]:
+        """Back-propagate every micro-batch in reverse; returns the gradients of the pipeline input's leaves."""
+        if self.is_last:
+            parts = [torch.split(g, run.sizes) if g is not None else [None] * self.chunks for g in grads]
+            last_grads = [tuple(p[i] for p in parts) for i in range(self.chunks)]
+        input_grads: list[tuple[Optional[Tensor], ...]] = [()] * self.chunks
+        recomputed: dict[int, tuple[Tensor, ...]] = {}
+        for task in fill_drain(self.chunks, self.checkpoint)[1]:
+            i = task.micro
+            if task.kind == "recompute":
+                if run.out_grad[i]:
+                    recomputed[i] = self._recompute(run, i)
+                continue
+            y = recomputed.pop(i) if i in recomputed else run.outputs[i]
+            g: tuple[Optional[Tensor], ...] = ()
+            if run.out_grad[i]:
+                g = last_grads[i] if self.is_last else self._recv(self.ranks[self.stage + 1], i).values
+            start = time.perf_counter()
+            pairs = [(o, d) for o, d in zip(y or (), g) if d is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
+            leaves = microbatch.tensors(run.inputs[i])
+            dx = tuple((t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None
+                       for t in leaves)
+            if self.tracer is not None:
+                self.tracer("backward", i, start, time.perf_counter())
+            if not self.is_first and run.in_grad[i]:
+                self.channels.send(self.ranks[self.stage - 1], dx, [False] * len(dx))  # type: ignore[union-attr]
+            input_grads[i] = dx
+            run.inputs[i] = run.outputs[i] = None
+        return self._input_grads(run, input_grads)
+
+    def _recompute(self, run: _Run, i: int) -> tuple[Tensor, ...]:
+        """Rebuild micro-batch ``i``'s graph: same input, same random streams, same autocast as the forward."""
+        start = time.perf_counter()
+        autocast = torch.autocast(self.device.type, dtype=run.autocast[1], enabled=run.autocast[0])
+        with torch.enable_grad(), autocast, _recomputing(self._modules):
+            y, _ = self._run_layers(run.inputs[i], run.call, i)
+        if self.tracer is not None:
+            self.tracer("recompute", i, start, time.perf_counter())
+        return y
+
+    def _input_grads(self, run: _Run, per_micro: list[tuple[Optional[Tensor], ...]]) -> list[Optional[Tensor]]:
+        """The first stage joins the input gradients and sends them to every stage (they all share the input)."""
+        grads: list[Optional[Tensor]] = []
+        if run.input_needs_grad:
+            if self.is_first:
+                grads = [None if col[0] is None else torch.cat(col) for col in zip(*per_micro)]  # type: ignore
+                for rank in self.ranks[1:]:
+                    self.channels.send(rank, grads, [False] * len(grads))  # type: ignore[union-attr]
+            else:
+                grads = list(self._recv(self.ranks[0], -1).values)
+        if self.channels is not None:
+            self.channels.flush()
+        return grads
+
+
+class _Bridge(torch.autograd.Function):
+    """The pipeline as one autograd node on every rank.
+
+    Its inputs are the batch's tensors (so a module before the backbone gets its gradient) and an
+    ``anchor`` that requires grad: on ranks other than the first the batch is never used, and without
+    the anchor the output would have no ``grad_fn`` and backward would never reach the stage.
+    """
+
+    @staticmethod
+    def forward(ctx, runner: StageRunner, batch: Any, call: int, box: dict, anchor: Tensor, *leaves: Tensor):
+        kind = runner.device.type
+        run = _Run(call, (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)))
+        run.input_needs_grad = any(t.requires_grad for t in leaves)
+        values, box["is_tuple"] = runner._fill(batch, call, run)
+        ctx.runner, ctx.run, ctx.num_leaves = runner, run, len(leaves)
+        ctx.set_materialize_grads(False)
+        non_float = [v for v in values if not v.is_floating_point()]
+        if non_float:
+            ctx.mark_non_differentiable(*non_float)
+        return values
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        run, ctx.run = ctx.run, None
+        input_grads = ctx.runner._drain(run, grads) or [None] * ctx.num_leaves
+        return (None, None, None, None, None, *input_grads)

@@ -1,0 +1,132 @@
+"""Scatter a mini-batch into micro-batches along dim 0, and gather stage outputs back; pure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Outputs", "tensors", "map_tensors", "batch_size", "split_sizes", "split", "scatter", "gather", "as_tuple",
+    "from_tuple",
+]
+
+#: What a stage may return: one tensor, or a tuple of tensors.
+Outputs = Union[Tensor, tuple[Tensor, ...]]
+
+
+def tensors(batch: Any) -> list[Tensor]:
+    """The tensor leaves of a batch, in a fixed order (depth first, dict keys in insertion order)."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in tensors(v)]
+    return []
+
+
+def map_tensors(fn: Callable[[Tensor], Tensor], batch: Any) -> Any:
+    """``batch`` with ``fn`` applied to every tensor leaf; the structure is kept."""
+    if isinstance(batch, Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return type(batch)((k, map_tensors(fn, v)) for k, v in batch.items())  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        items = [map_tensors(fn, v) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """The size of dim 0 shared by every tensor in ``batch``.
+
+    Raises ``ValueError`` when the batch holds no tensor, a 0-dim tensor, or tensors that disagree on
+    dim 0: a micro-batch must cut every tensor at the same samples.
+    """
+    leaves = tensors(batch)
+    if not leaves:
+        raise ValueError(
+            f"The backbone input holds no tensor (got {type(batch).__name__}); pass a Tensor, or a tuple, "
+            "list or dict of Tensors, so that it can be cut into micro-batches."
+        )
+    sizes = set()
+    for t in leaves:
+        if t.dim() == 0:
+            raise ValueError("A backbone input tensor is 0-dimensional; micro-batching splits dim 0, so every input "
+                             "tensor needs a batch dimension first.")
+        sizes.add(t.shape[0])
+    if len(sizes) != 1:
+        raise ValueError(f"The backbone input tensors disagree on the batch size (dim 0): {sorted(sizes)}. "
+                         "Micro-batching cuts every tensor at the same samples, so they must agree.")
+    return sizes.pop()
+
+
+def split_sizes(size: int, chunks: int) -> list[int]:
+    """Micro-batch sizes for a batch of ``size`` samples cut into ``chunks`` pieces.
+
+    The pieces differ by at most one sample, larger ones first, so there are always exactly ``chunks``
+    non-empty micro-batches (``torch.chunk`` may return fewer).
+
+    >>> split_sizes(10, 4)
+    [3, 3, 2, 2]
+    """
+    if chunks < 1:
+        raise ValueError(f"`chunks` must be a positive integer, got {chunks}.")
+    if size < chunks:
+        raise ValueError(
+            f"The batch has {size} samples but `chunks={chunks}` micro-batches were asked for; every micro-batch needs "
+            f"at least one sample. Use a batch size of at least {chunks}, or lower `chunks` (GPipeStrategy(chunks=...))."
+        )
+    base, extra = divmod(size, chunks)
+    return [base + 1 if i < extra else base for i in range(chunks)]
+
+
+def split(batch: Any, sizes: list[int]) -> list[Any]:
+    """Cut every tensor of ``batch`` along dim 0 into pieces of ``sizes``; other leaves are repeated."""
+    if isinstance(batch, Tensor):
+        return list(torch.split(batch, sizes))
+    if isinstance(batch, Mapping):
+        parts = {k: split(v, sizes) for k, v in batch.items()}
+        return [type(batch)((k, parts[k][i]) for k in batch) for i in range(len(sizes))]  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        columns = [split(v, sizes) for v in batch]
+        rows = [[col[i] for col in columns] for i in range(len(sizes))]
+        if hasattr(batch, "_fields"):  # namedtuple
+            return [type(batch)(*row) for row in rows]
+        return [type(batch)(row) for row in rows]
+    return [batch] * len(sizes)  # a non-tensor leaf (a flag, a string) goes to every micro-batch unchanged
+
+
+def scatter(batch: Any, chunks: int) -> list[Any]:
+    """Cut ``batch`` (a Tensor, or a tuple, list or dict of them, nested) into ``chunks`` micro-batches.
+
+    >>> [t.shape[0] for t in scatter(torch.zeros(10, 3), 4)]
+    [3, 3, 2, 2]
+    """
+    return split(batch, split_sizes(batch_size(batch), chunks))
+
+
+def as_tuple(outputs: Any) -> tuple[Tensor, ...]:
+    """A stage output as a tuple of tensors; raises ``TypeError`` for anything else."""
+    if isinstance(outputs, Tensor):
+        return (outputs,)
+    if isinstance(outputs, tuple) and all(isinstance(t, Tensor) for t in outputs):
+        return outputs
+    kinds = type(outputs).__name__ if not isinstance(outputs, tuple) else \
+        "tuple of (" + ", ".join(type(t).__name__ for t in outputs) + ")"
+    raise TypeError(f"got {kinds}; a stage must return a Tensor or a tuple of Tensors")
+
+
+def from_tuple(values: tuple[Tensor, ...], is_tuple: bool) -> Outputs:
+    """Undo :func:`as_tuple`."""
+    return values if is_tuple else values[0]
+
+
+def gather(outputs: Sequence[tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+    """Join per-micro-batch outputs (each a tuple of tensors) along dim 0, element by element."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return tuple(torch.cat(parts) for parts in zip(*outputs))

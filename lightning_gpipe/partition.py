@@ -1,0 +1,120 @@
+"""Split a Sequential into contiguous stages: layer costs in, layers per stage out; pure."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from torch import nn
+
+__all__ = ["balance", "balance_by_params", "parameter_costs", "stage_bounds", "validate_balance"]
+
+
+def _check_stages(layers: int, stages: int) -> None:
+    if stages < 1:
+        raise ValueError(f"The number of stages must be at least 1, got {stages}.")
+    if stages > layers:
+        raise ValueError(
+            f"Cannot split {layers} layers into {stages} stages: every stage needs at least one layer. "
+            f"Use at most {layers} devices, or give the backbone more layers."
+        )
+
+
+def balance(costs: Sequence[float], stages: int) -> list[int]:
+    """Layers per stage for a contiguous split of ``costs`` into ``stages`` that minimizes the largest stage cost.
+
+    This is exact, not a heuristic: the bottleneck is found by dynamic programming over prefix sums.
+    Ties between optimal splits are broken deterministically: first the smaller sum of squared stage
+    costs (the more even split), then the lexicographically smallest list.
+
+    >>> balance([1, 1, 1, 1, 4], 2)
+    [4, 1]
+    """
+    n = len(costs)
+    _check_stages(n, stages)
+    if any(c < 0 or math.isnan(c) for c in costs):
+        raise ValueError(f"Layer costs must be non-negative numbers, got {list(costs)}.")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def cost(i: int, j: int) -> float:  # layers i..j-1
+        return prefix[j] - prefix[i]
+
+    # best[s][j]: smallest bottleneck for the first j layers in s stages
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            best[s][j] = min(max(best[s - 1][i], cost(i, j)) for i in range(s - 1, j))
+    bottleneck = best[stages][n]
+    limit = bottleneck + 1e-9 * max(1.0, abs(bottleneck))
+
+    # Among splits under the bottleneck: smallest sum of squares, then lexicographically smallest.
+    # squares[s][i]: the best (sum of squares, sizes) for layers i..n-1 in s stages.
+    squares: list[list[tuple[float, tuple[int, ...]] | None]] = [[None] * (n + 1) for _ in range(stages + 1)]
+    squares[0][n] = (0.0, ())
+    for s in range(1, stages + 1):
+        for i in range(n - s, -1, -1):
+            choice = None
+            for j in range(i + 1, n - s + 2):
+                rest = squares[s - 1][j]
+                c = cost(i, j)
+                if rest is None or c > limit:
+                    continue
+                candidate = (c * c + rest[0], (j - i, *rest[1]))
+                if choice is None or candidate[0] < choice[0] - 1e-12 * max(1.0, choice[0]) or (
+                    abs(candidate[0] - choice[0]) <= 1e-12 * max(1.0, choice[0]) and candidate[1] < choice[1]
+                ):
+                    choice = candidate
+            squares[s][i] = choice
+    result = squares[stages][0]
+    assert result is not None  # the bottleneck split itself satisfies the limit
+    return list(result[1])
+
+
+def parameter_costs(module: nn.Sequential) -> list[float]:
+    """Parameter count of each layer: the cost behind ``balance="params"``."""
+    return [float(sum(p.numel() for p in layer.parameters())) for layer in module]
+
+
+def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
+    """The optimal split of ``module`` by parameter count."""
+    return balance(parameter_costs(module), stages)
+
+
+def validate_balance(balance: Sequence[int], layers: int, stages: int | None = None) -> list[int]:
+    """Check an explicit ``balance`` list against the backbone and the number of stages."""
+    values = list(balance)
+    if not values or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in values):
+        raise ValueError(f"`balance` must be a list of positive integers (layers per stage), got {list(balance)}.")
+    if stages is not None and len(values) != stages:
+        raise ValueError(
+            f"`balance` has {len(values)} entries but the pipeline has {stages} stages (one per device); "
+            f"give one entry per stage, e.g. balance={_even(layers, stages)}."
+        )
+    if sum(values) != layers:
+        raise ValueError(
+            f"`balance={values}` sums to {sum(values)} but the backbone has {layers} layers; the entries must sum to "
+            f"the number of layers, e.g. balance={_even(layers, len(values))}."
+        )
+    return values
+
+
+def _even(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, max(stages, 1))
+    return [base + 1 if i < extra else base for i in range(stages)]
+
+
+def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` layer indices of each stage.
+
+    >>> stage_bounds([2, 3])
+    [(0, 2), (2, 5)]
+    """
+    bounds, start = [], 0
+    for size in balance:
+        bounds.append((start, start + size))
+        start += size
+    return bounds

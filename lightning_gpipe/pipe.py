@@ -1,0 +1,146 @@
+"""``GPipe``: an ``nn.Sequential`` run as a fill-drain pipeline, one stage per process; plain PyTorch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gpipe import microbatch
+from lightning_gpipe.comm import Channels
+from lightning_gpipe.engine import StageRunner
+from lightning_gpipe.failure import FailureBoard
+from lightning_gpipe.partition import balance_by_params, stage_bounds, validate_balance
+from lightning_gpipe.topology import PipeLayout
+
+__all__ = ["GPipe"]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class GPipe(nn.Module):
+    """Run ``module`` as a ``K``-stage pipeline over ``K`` processes, this process holding one stage.
+
+    Every process of the pipeline builds the same ``GPipe`` from the same Sequential (construction is
+    collective: it creates the process groups the stages talk over). Each keeps the layers of its
+    own stage, under their original indices, so ``state_dict`` keys match the Sequential's; the other
+    stages' layers are moved to the ``meta`` device, which frees their memory. Calling the module
+    runs the pipeline and returns the Sequential's real output on every process; ``backward`` on a
+    loss of it runs the drain. With one process it is GPipe's "pipeline-1": micro-batching and
+    re-materialization only.
+
+    Example (in each of 2 processes, after ``dist.init_process_group("gloo")``)::
+
+        pipe = GPipe(nn.Sequential(a, b, c, d), balance=[2, 2], chunks=4)
+        loss = F.mse_loss(pipe(x), y)    # the same x and y on both processes
+        loss.backward()                  # each process gets the gradients of its own stage
+        torch.optim.SGD(pipe.parameters(), lr=0.1).step()
+
+    Args:
+        module: the layers, in order.
+        balance: layers per stage, one entry per stage; by default an optimal split by parameter count.
+        chunks: micro-batches per batch (``M`` in the paper).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches drop their
+            activations in the forward and recompute them in the backward.
+        layout: how the processes form pipelines; by default one pipeline over all processes.
+        device: this stage's device; by default the CPU.
+        seed: the root of the random streams (dropout); by default the first stage's ``torch.initial_seed()``.
+        timeout: seconds a stage waits for a message before it gives up.
+        board: where failures are published; by default one on the default process group's store.
+    """
+
+    def __init__(self, module: nn.Sequential, balance: Optional[Sequence[int]] = None, *, chunks: int = 1,
+                 checkpoint: str = "except_last", layout: Optional[PipeLayout] = None,
+                 device: Optional[Union[torch.device, str]] = None, seed: Optional[int] = None,
+                 timeout: float = 1800.0, board: Optional[FailureBoard] = None) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
+        rank = dist.get_rank() if _distributed() else 0
+        world = dist.get_world_size() if _distributed() else 1
+        layout = layout or PipeLayout(world, world)
+        if layout.world_size != world:
+            raise ValueError(f"The layout is for {layout.world_size} processes but the job has {world}.")
+        stages = layout.pipe_size
+        if balance is None:
+            balance = balance_by_params(module, stages)
+        self.balance = validate_balance(balance, len(module), stages)
+        self.layout, self.stage = layout, layout.stage_of(rank)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        start, stop = stage_bounds(self.balance)[self.stage]
+        self.num_layers = len(module)
+        for index, layer in enumerate(module):
+            if start <= index < stop:
+                self.add_module(str(index), layer.to(self.device))
+            else:
+                layer.to("meta")  # frees the memory of other stages' layers, even if the caller keeps references
+        self._full = [module]  # in a list, so that it is not a submodule: only the own stage is registered
+        self.board = board or FailureBoard.for_default_group(self.describe, namespace="lightning_gpipe")
+        self.ranks = layout.pipeline_of(rank)
+        self.group: Optional[dist.ProcessGroup] = None  # this pipeline's ranks, for collectives across stages
+        if stages > 1:
+            for ranks in layout.pipelines:  # every rank joins the creation of every group
+                group = dist.new_group(ranks, backend="cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
+                if ranks == self.ranks:
+                    self.group = group
+        channels = Channels(layout, rank, self.device, self.board, timeout) if stages > 1 else None
+        if seed is None:
+            seed = self.broadcast(torch.initial_seed())
+        layers = [(int(name), layer) for name, layer in self.named_children()]
+        self.runner = StageRunner(layers, self.stage, self.ranks, channels, chunks, checkpoint, self.device, seed)
+
+    def describe(self, rank: int) -> str:
+        """How error messages name the stage of ``rank``."""
+        return f"stage {self.layout.stage_of(rank)}"
+
+    def broadcast(self, obj: Any, stage: int = 0) -> Any:
+        """``obj`` as ``stage`` has it, on every stage of this pipeline; collective."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[stage], group=self.group)
+        return box[0]
+
+    @property
+    def chunks(self) -> int:
+        return self.runner.chunks
+
+    @property
+    def checkpoint(self) -> str:
+        return self.runner.checkpoint
+
+    def local_layers(self) -> list[tuple[int, nn.Module]]:
+        """This stage's ``(index, layer)`` pairs."""
+        return self.runner.layers
+
+    def forward(self, batch: Any) -> microbatch.Outputs:
+        return self.runner(batch)
+
+    def full_sequential(self) -> nn.Sequential:
+        """The Sequential this pipeline was built from (other stages' layers are on ``meta`` until reassembled)."""
+        return self._full[0]
+
+    def close(self) -> None:
+        """Shut the links between stages down; collective, call on every process of the job."""
+        if self.runner.channels is not None:
+            self.runner.channels.close()
+            self.runner.channels = None
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    def __getitem__(self, index: int) -> nn.Module:
+        name = str(index if index >= 0 else self.num_layers + index)
+        if name not in self._modules:
+            raise IndexError(f"Layer {index} is not on this process (stage {self.stage} holds "
+                             f"{[i for i, _ in self.local_layers()]}).")
+        return self._modules[name]  # type: ignore[return-value]
+
+    def extra_repr(self) -> str:
+        return (f"stage={self.stage} of {self.layout.pipe_size}, balance={self.balance}, chunks={self.chunks}, "
+                f"checkpoint={self.checkpoint!r}")

@@ -1,0 +1,81 @@
+"""Whole-model state from a partitioned pipeline: gather the stages' tensors, reassemble the Sequential."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_gpipe.pipe import GPipe
+
+__all__ = ["gather_state_dict", "reassemble", "local_state_dict"]
+
+
+def _cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def _gather(pipe: GPipe, obj: Any, to_all: bool) -> Optional[list[Any]]:
+    """``obj`` from every stage, in stage order: on every stage if ``to_all``, else on the first stage only."""
+    if pipe.group is None:
+        return [obj]
+    if to_all:
+        out: list[Any] = [None] * len(pipe.ranks)
+        dist.all_gather_object(out, obj, group=pipe.group)
+        return out
+    out = [None] * len(pipe.ranks) if pipe.stage == 0 else None
+    dist.gather_object(obj, out, dst=pipe.ranks[0], group=pipe.group)
+    return out
+
+
+def gather_state_dict(pipe: GPipe) -> Optional[dict[str, Tensor]]:
+    """The full Sequential's ``state_dict`` (keys ``"<layer>.<name>"``, on the CPU) on the first stage; ``None``
+    on the others. Collective over the pipeline: only tensors travel, never modules (modules with hook
+    closures cannot be pickled)."""
+    parts = _gather(pipe, _cpu(pipe.state_dict()), to_all=False)
+    if parts is None:
+        return None
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def local_state_dict(state: dict[str, Any], pipe: GPipe, prefix: str) -> dict[str, Any]:
+    """The entries of a full ``state`` that this stage and the replicated rest of the model hold.
+
+    Keys under ``prefix`` (the backbone) belong to a layer: kept when the layer is this stage's.
+    """
+    own = {str(i) for i, _ in pipe.local_layers()}
+    kept = {}
+    for key, value in state.items():
+        if key.startswith(prefix):
+            layer = key[len(prefix):].split(".", 1)[0]
+            if layer not in own:
+                continue
+        kept[key] = value
+    return kept
+
+
+def reassemble(pipe: GPipe) -> nn.Sequential:
+    """The full Sequential with every stage's trained tensors, on the CPU, on every stage; collective.
+
+    The other stages' layers were moved to ``meta``; they get real storage back and are filled with
+    the values gathered from their stages, buffers included (also the non-persistent ones, which a
+    ``state_dict`` would leave out).
+    """
+    own = {name: t.detach().cpu() for name, t in [*pipe.named_parameters(), *pipe.named_buffers()]}
+    parts = _gather(pipe, own, to_all=True)
+    values = {k: v for part in parts or [] for k, v in part.items()}
+    full = pipe.full_sequential()
+    local = {i for i, _ in pipe.local_layers()}
+    with torch.no_grad():
+        for index, layer in enumerate(full):
+            if index in local:
+                continue
+            layer.to_empty(device="cpu")
+            for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+                key = f"{index}.{name}"
+                if key not in values:
+                    raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
+                tensor.data = values[key]
+    return full

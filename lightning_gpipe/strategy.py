@@ -1,0 +1,367 @@
+"""``GPipeStrategy``: Lightning glue that runs a LightningModule's Sequential backbone as a pipeline."""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_gpipe import clipping, state
+from lightning_gpipe._lightning import init_process_group, optimizers_to_device
+from lightning_gpipe.failure import FailureBoard
+from lightning_gpipe.partition import balance_by_params, validate_balance
+from lightning_gpipe.pipe import GPipe
+from lightning_gpipe.schedule import CHECKPOINT_MODES
+from lightning_gpipe.topology import PipeLayout
+
+__all__ = ["GPipeStrategy"]
+
+_runs = itertools.count()  # names each run's failure board; every rank counts its runs the same way
+
+
+class GPipeStrategy(ParallelStrategy):
+    """Train the ``nn.Sequential`` at ``module.<backbone>`` as a GPipe pipeline, one stage per process.
+
+    ``Trainer(strategy="gpipe", devices=K)`` splits the backbone into ``K`` stages, puts one on each
+    device and cuts every batch into ``chunks`` micro-batches. The LightningModule is unchanged:
+    ``self.backbone(x)`` returns the backbone's real output on every rank, and each rank's optimizer
+    steps its own stage plus the layers outside the backbone (which every rank holds, in sync).
+
+    Args:
+        balance: layers per stage (one entry per stage), or ``"params"`` (the default): the split that
+            minimizes the largest stage's parameter count.
+        chunks: micro-batches per batch (``M``). Results do not depend on the number of stages; with
+            random layers (dropout) they do depend on ``chunks``, which keys the random streams.
+        checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``: which micro-batches drop
+            their activations in the forward and recompute them in the backward.
+        backbone: the attribute (a dotted path is allowed) that holds the Sequential.
+        pipe_size: stages per pipeline; the default is every device of a node. With fewer, the
+            processes form ``world_size // pipe_size`` data-parallel replicas of the pipeline.
+        seed: the root of the pipeline's random streams; by default the first stage's
+            ``torch.initial_seed()``, which ``seed_everything`` sets.
+        timeout: seconds a stage waits for a message from another before it fails the run.
+        start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks, tests).
+        watchdog_grace: seconds a rank may stay blocked (in a collective of Lightning's) after another
+            rank failed, before the watchdog ends its process.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        balance: Union[Sequence[int], Literal["params"]] = "params",
+        chunks: int = 4,
+        checkpoint: str = "except_last",
+        backbone: str = "backbone",
+        pipe_size: Optional[int] = None,
+        seed: Optional[int] = None,
+        timeout: float = 1800.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        watchdog_grace: float = 10.0,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        process_group_timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if isinstance(balance, str) and balance != "params":
+            raise ValueError(f"`balance` must be a list of layers per stage or 'params', got {balance!r}.")
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"`chunks` must be a positive integer (micro-batches per batch), got {chunks!r}.")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"`checkpoint` must be one of {CHECKPOINT_MODES}, got {checkpoint!r}.")
+        if not isinstance(backbone, str) or not backbone:
+            raise ValueError(f"`backbone` must name the attribute that holds the nn.Sequential, got {backbone!r}.")
+        if pipe_size is not None and (not isinstance(pipe_size, int) or pipe_size < 1):
+            raise ValueError(f"`pipe_size` must be a positive integer, got {pipe_size!r}.")
+        self.balance, self.chunks, self.checkpoint, self.backbone = balance, chunks, checkpoint, backbone
+        self._pipe_size, self.seed, self.timeout = pipe_size, seed, timeout
+        self._start_method, self.watchdog_grace = start_method, watchdog_grace
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._process_group_timeout = process_group_timeout
+        self.pipe: Optional[GPipe] = None
+        self._board: Optional[FailureBoard] = None
+        self._failed = False
+
+    # -- processes and ranks ---------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def layout(self) -> PipeLayout:
+        """How the processes form pipelines: ``pipe_size`` stages, ``world_size // pipe_size`` replicas."""
+        return PipeLayout(self.world_size, self._pipe_size or self.num_processes)
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects a DistributedSampler only for a "distributed" strategy. The stages of a
+        # pipeline must see the same batches, so only data-parallel replicas count.
+        return self.layout.num_replicas > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.layout.num_replicas, "rank": self.layout.replica_of(self.global_rank)}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        _ = self.layout  # validates pipe_size against the world size before any work
+        if self.world_size > 1:  # pipeline-1 needs no process group
+            backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+            init_process_group(self.cluster_environment, backend, self.root_device, self._process_group_timeout)
+        self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
+        self._failed = False
+        if self.world_size > 1:
+            self._board.start_watchdog(self.watchdog_grace)
+
+    def _describe(self, rank: int) -> str:
+        layout = self.layout
+        replica = f" of replica {layout.replica_of(rank)}" if layout.num_replicas > 1 else ""
+        return f"stage {layout.stage_of(rank)}{replica}"
+
+    # -- the model -------------------------------------------------------------------------------------
+
+    def _backbone_owner(self, module: nn.Module) -> tuple[nn.Module, str]:
+        *path, name = self.backbone.split(".")
+        owner = module
+        for part in path:
+            owner = getattr(owner, part, None)  # type: ignore[assignment]
+            if owner is None:
+                break
+        if owner is None or not hasattr(owner, name):
+            raise ValueError(
+                f"{type(module).__name__} has no attribute `{self.backbone}`; the gpipe strategy pipelines the "
+                f"nn.Sequential found there. Assign your layers to `self.{self.backbone} = nn.Sequential(...)`, or "
+                f"name the attribute with GPipeStrategy(backbone=...)."
+            )
+        return owner, name
+
+    def _build_pipe(self) -> GPipe:
+        module = self.lightning_module
+        assert module is not None
+        owner, name = self._backbone_owner(module)
+        sequential = getattr(owner, name)
+        if isinstance(sequential, GPipe):  # set up again after a failed run that could not reassemble it
+            sequential = sequential.full_sequential()
+        if not isinstance(sequential, nn.Sequential):
+            raise TypeError(
+                f"`{type(module).__name__}.{self.backbone}` is a {type(sequential).__name__}, but the gpipe strategy "
+                "splits an nn.Sequential into stages. Make the backbone an nn.Sequential of its layers."
+            )
+        layout = self.layout
+        if layout.pipe_size > len(sequential):
+            raise ValueError(
+                f"The pipeline has {layout.pipe_size} stages but `{self.backbone}` has only {len(sequential)} layers; "
+                f"every stage needs at least one layer. Use at most {len(sequential)} devices per pipeline."
+            )
+        if self.balance == "params":
+            balance = balance_by_params(sequential, layout.pipe_size)
+        else:
+            balance = validate_balance(self.balance, len(sequential), layout.pipe_size)
+        pipe = GPipe(sequential, balance, chunks=self.chunks, checkpoint=self.checkpoint, layout=layout,
+                     device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board)
+        setattr(owner, name, pipe)
+        return pipe
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.pipe = self._build_pipe()
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._sync_replicated()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizers_to_device(self.optimizers, self.root_device)
+        _use_global_norm_clipping(self.precision_plugin, self)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)  # the other stages' layers are not submodules any more: they stay put
+
+    def _sync_replicated(self) -> None:
+        """Give every stage the first stage's copy of the layers outside the backbone, and its random state.
+
+        Those layers are replicated, so they must start equal; the random state must be equal so that a
+        ``RandomSampler`` (which draws from it) orders the data alike on every stage.
+        """
+        pipe = self.pipe
+        assert pipe is not None and self.lightning_module is not None
+        if pipe.group is None:
+            return
+        backbone = {id(t) for t in [*pipe.parameters(), *pipe.buffers()]}
+        with torch.no_grad():
+            for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
+                if id(tensor) not in backbone:
+                    dist.broadcast(tensor.data, src=pipe.ranks[0], group=pipe.group)
+        torch.set_rng_state(pipe.broadcast(torch.get_rng_state()))
+        if self.root_device.type == "cuda":
+            torch.cuda.set_rng_state(pipe.broadcast(torch.cuda.get_rng_state(self.root_device)), self.root_device)
+
+    # -- collectives -----------------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        """Reduce over all processes. The stages of a pipeline hold equal values, so a mean over all equals the
+        mean over the data-parallel replicas; a sum counts every replica once per stage."""
+        if not isinstance(tensor, Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
+        mean = op in (None, "mean", "avg")
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        torch_op = dist.ReduceOp.SUM if mean else ops.get(op, op)  # type: ignore[arg-type]
+        tensor = tensor.float() if mean and not tensor.is_floating_point() else tensor.clone()
+        dist.all_reduce(tensor, op=torch_op, group=group)
+        if mean:
+            tensor = tensor / dist.get_world_size(group)
+        return tensor
+
+    # -- checkpoints and teardown ------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state_dict under its original keys, on the first stage; collective."""
+        module = self.lightning_module
+        assert module is not None
+        local = module.state_dict()
+        if self.pipe is None or self.pipe.group is None:
+            return local
+        full_backbone = state.gather_state_dict(self.pipe)
+        if full_backbone is None:
+            return local
+        prefix = self.backbone + "."
+        backbone = {prefix + k: v for k, v in full_backbone.items()}
+        merged: dict[str, Any] = {}
+        for key, value in local.items():  # the backbone's entries go where the stage's were, in layer order
+            if not key.startswith(prefix):
+                merged[key] = value
+            elif backbone:
+                merged.update(backbone)
+                backbone = {}
+        merged.update(backbone)  # a first stage without state of its own (only activations, say)
+        return merged
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        state_dict = checkpoint["state_dict"]
+        owner, name = self._backbone_owner(module)
+        pipe = getattr(owner, name)
+        if isinstance(pipe, GPipe):  # partitioned: this stage takes its layers' entries only
+            state_dict = state.local_state_dict(state_dict, pipe, self.backbone + ".")
+        module.load_state_dict(state_dict, strict=strict)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        if self._board is not None:
+            self._board.publish(exception)
+
+    @override
+    def teardown(self) -> None:
+        """Put the whole trained backbone back into the LightningModule (on every rank, on the CPU)."""
+        if self.pipe is not None and not self._failed:
+            module = self.lightning_module
+            assert module is not None
+            owner, name = self._backbone_owner(module)
+            setattr(owner, name, state.reassemble(self.pipe))
+            self.pipe.close()
+        self.pipe = None
+        if self._board is not None:
+            self._board.stop_watchdog()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (("gpipe", "popen"), ("gpipe_spawn", "spawn"), ("gpipe_fork", "fork"), ("gpipe_notebook", "fork"))
+        for name, start_method in entries:
+            strategy_registry.register(name, cls, description=f"GPipe pipeline, processes started with "
+                                       f"{start_method!r}", start_method=start_method)
+
+
+def _use_global_norm_clipping(plugin: Precision, strategy: GPipeStrategy) -> None:
+    # Lightning clips through `precision_plugin.clip_grad_by_norm(optimizer, clip_val)`, a public method
+    # with no strategy hook around it. Norm clipping must use the norm over all stages, so this one
+    # helper rebinds that method on the plugin instance.
+    def clip_grad_by_norm(self: Precision, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+        pipe = strategy.pipe
+        assert pipe is not None
+        clipping.clip_grad_norm_(self.main_params(optimizer), clip_val, pipe.parameters(),
+                                 count_replicated=pipe.stage == 0, group=pipe.group)
+
+    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]

@@ -1,0 +1,96 @@
+"""Run a function in K real processes, as torchrun would start them, and collect what each returns.
+
+Each worker gets the environment of a torchrun launch (RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID...), so
+Lightning uses its TorchElastic cluster environment and does not launch processes of its own: one
+spawn of K processes can run many ``Trainer.fit`` calls, which keeps the suite fast (``import torch``
+costs seconds per process). Results travel as ``torch.save`` files.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str,
+            threads: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
+        TORCHELASTIC_RUN_ID="lightning-gpipe-tests", OMP_NUM_THREADS=str(threads),
+    )
+    torch.set_num_threads(threads)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException as error:
+        torch.save({"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}, path)
+        raise
+    torch.save({"result": result}, path)
+
+
+@dataclass
+class Outcome:
+    """How each rank ended: its exit code, its result or error, and when it exited."""
+
+    exitcodes: list[int | None]
+    results: list[Any]
+    errors: list[str | None]
+    tracebacks: list[str | None]
+    seconds: float
+
+
+def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
+                  threads: int = 1) -> Outcome:
+    """Start ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; wait up to ``timeout`` s.
+
+    Nothing is killed early when one rank fails, so a test can see whether the others end by
+    themselves. Ranks still alive at the timeout are killed and reported with exit code ``None``.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        start = time.monotonic()
+        context = mp.start_processes(_worker, args=(world_size, port, fn, args, out_dir, threads),
+                                     nprocs=world_size, start_method="spawn", join=False)
+        deadline = start + timeout
+        while any(p.is_alive() for p in context.processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hung = [p for p in context.processes if p.is_alive()]
+        for p in hung:
+            p.kill()
+        for p in context.processes:
+            p.join(5)
+        seconds = time.monotonic() - start
+        exitcodes = [None if p in hung else p.exitcode for p in context.processes]
+        results, errors, tracebacks = [], [], []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            data = torch.load(path, weights_only=False) if os.path.exists(path) else {}
+            results.append(data.get("result"))
+            errors.append(data.get("error"))
+            tracebacks.append(data.get("traceback"))
+        return Outcome(exitcodes, results, errors, tracebacks, seconds)
+
+
+def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
+    """Like :func:`run_processes`, but every rank must succeed; returns the per-rank results."""
+    outcome = run_processes(fn, world_size, *args, timeout=timeout)
+    if any(code != 0 for code in outcome.exitcodes):
+        details = "\n".join(f"--- rank {r} (exit {c}) ---\n{t or e or 'no error recorded'}"
+                            for r, (c, e, t) in enumerate(zip(outcome.exitcodes, outcome.errors, outcome.tracebacks)))
+        raise AssertionError(f"a worker failed after {outcome.seconds:.1f}s:\n{details}")
+    return outcome.results

@@ -1,0 +1,92 @@
+"""Small LightningModules and data for the tests; none of them imports lightning_gpipe."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+FEATURES, CLASSES = 6, 3
+
+
+def dataset(samples: int = 40, seed: int = 1234) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, FEATURES, generator=generator)
+    y = torch.randint(0, CLASSES, (samples,), generator=generator)
+    return TensorDataset(x, y)
+
+
+def loader(batch_size: int = 8, shuffle: bool = True, samples: int = 40) -> DataLoader:
+    return DataLoader(dataset(samples), batch_size=batch_size, shuffle=shuffle)
+
+
+def mlp(dropout: float = 0.0) -> nn.Sequential:
+    """Seven layers of uneven sizes, so that parameter-count splits are uneven too."""
+    layers: list[nn.Module] = [nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 24), nn.ReLU(),
+                               nn.Linear(24, 12), nn.Tanh(), nn.Linear(12, 8)]
+    if dropout:
+        layers.insert(2, nn.Dropout(dropout))
+        layers.insert(6, nn.Dropout(dropout))
+    return nn.Sequential(*layers)
+
+
+class Net(L.LightningModule):
+    """A backbone Sequential and a small head outside it; records what the tests compare."""
+
+    def __init__(self, optimizer: str = "sgd", dropout: float = 0.0, head_dropout: float = 0.0, stem: bool = False):
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.stem = nn.Linear(FEATURES, FEATURES) if stem else None
+        self.backbone = mlp(dropout)
+        self.head = nn.Sequential(nn.Dropout(head_dropout), nn.Linear(8, CLASSES))
+        self.losses: list[float] = []
+        self.first_grads: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stem is not None:
+            x = self.stem(x)
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.global_step == 0:
+            self.first_grads = {n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None}
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def trainer_kwargs(**overrides) -> dict:
+    """Quiet, small runs: 5 steps, no logger, no checkpoints, no progress bar."""
+    kwargs = dict(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  limit_val_batches=0)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def fit_record(model: Net, trainer: L.Trainer, data: DataLoader) -> dict:
+    """Fit, then return the losses, the first step's gradients and the final weights."""
+    trainer.fit(model, data)
+    return {
+        "losses": list(model.losses),
+        "grads": {k: v.cpu() for k, v in model.first_grads.items()},
+        "weights": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+    }

@@ -1,0 +1,156 @@
+"""Configurations that the Lightning tests run, and the worker that runs a list of them in K processes.
+
+One spawn per K runs every configuration in a loop (``import torch`` costs seconds per process); the
+session fixtures in ``conftest.py`` share the results between the tests that read them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+
+import _models as M
+
+
+@dataclass(frozen=True)
+class Config:
+    """One training run: what the model, the strategy and the Trainer get."""
+
+    name: str
+    model: tuple = ()  # Net(**dict(model))
+    strategy: tuple = ()  # GPipeStrategy(**dict(strategy))
+    trainer: tuple = ()  # Trainer(**dict(trainer))
+
+    def reference_key(self) -> tuple:
+        """What a one-device run needs to reproduce this one: everything but the pipeline's own settings."""
+        return self.model, self.trainer
+
+
+def matrix() -> list[Config]:
+    """Chunks (one that does not divide the batch of 8) x checkpoint mode x optimizer."""
+    return [
+        Config(f"chunks={c} checkpoint={m} {o}", model=(("optimizer", o),), strategy=(("chunks", c), ("checkpoint", m)))
+        for c, m, o in itertools.product([1, 2, 4, 3], ["always", "except_last", "never"], ["sgd", "adam"])
+    ]
+
+
+EXTRAS = [
+    Config("stem before the backbone", model=(("stem", True),), strategy=(("chunks", 3),)),
+    Config("norm clipping", strategy=(("chunks", 2),), trainer=(("gradient_clip_val", 0.05),)),
+    Config("gradient accumulation", strategy=(("chunks", 2),), trainer=(("accumulate_grad_batches", 2),)),
+    Config("explicit uneven balance", strategy=(("chunks", 2), ("balance", None))),
+    Config("bf16-mixed", strategy=(("chunks", 2),), trainer=(("precision", "bf16-mixed"),)),
+]
+
+#: Dropout in the backbone and in the head: compared across K, not with a run without the package.
+DROPOUT = Config("dropout", model=(("dropout", 0.3), ("head_dropout", 0.2)), strategy=(("chunks", 2),))
+
+
+def uneven_balance(stages: int) -> list[int]:
+    """A deliberately lopsided split of the 7-layer test backbone."""
+    return {1: [7], 2: [5, 2], 3: [1, 2, 4], 4: [1, 1, 4, 1]}[stages]
+
+
+def run_config(config: Config, devices: int) -> dict[str, Any]:
+    from lightning_gpipe import GPipeStrategy
+
+    strategy = dict(config.strategy)
+    if "balance" in strategy:
+        strategy["balance"] = uneven_balance(devices)
+    L.seed_everything(0, verbose=False)
+    model = M.Net(**dict(config.model))
+    trainer = L.Trainer(strategy=GPipeStrategy(**strategy), devices=devices, **M.trainer_kwargs(**dict(config.trainer)))
+    return M.fit_record(model, trainer, M.loader())
+
+
+def reference(config: Config) -> dict[str, Any]:
+    """The same run on one device, with Lightning's default strategy and without this package."""
+    L.seed_everything(0, verbose=False)
+    model = M.Net(**dict(config.model))
+    trainer = L.Trainer(devices=1, **M.trainer_kwargs(**dict(config.trainer)))
+    return M.fit_record(model, trainer, M.loader())
+
+
+def sweep(rank: int, world_size: int, configs: list[Config], extras: bool) -> dict[str, Any]:
+    """Run every config on ``world_size`` stages; with ``extras``, also the checks that need processes."""
+    results: dict[str, Any] = {c.name: run_config(c, world_size) for c in configs}
+    if extras:
+        results["predict"] = predict_after_fit(world_size)
+        results["checkpoint"] = checkpoint_during_fit(world_size)
+        results["too many stages"] = too_many_stages(world_size)
+    return results
+
+
+def predict_after_fit(devices: int) -> dict[str, Any]:
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=devices, **M.trainer_kwargs())
+    trainer.fit(model, M.loader())
+    predictions = trainer.predict(model, M.loader(shuffle=False))
+    return {"predictions": torch.cat(predictions), "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def checkpoint_during_fit(devices: int) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gpipe import GPipeStrategy
+
+    directory = os.environ["GPIPE_TEST_TMP"]
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    checkpoint = ModelCheckpoint(dirpath=directory, filename="last", save_on_train_epoch_end=True)
+    kwargs = M.trainer_kwargs(enable_checkpointing=True, callbacks=[checkpoint], max_steps=-1, max_epochs=1)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=devices, **kwargs)
+    trainer.fit(model, M.loader())
+    return {"path": checkpoint.best_model_path or os.path.join(directory, "last.ckpt"),
+            "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def too_many_stages(devices: int) -> str:
+    from torch import nn
+
+    from lightning_gpipe import GPipeStrategy
+
+    model = M.Net()
+    model.backbone = nn.Sequential(*list(model.backbone)[:devices - 1])
+    trainer = L.Trainer(strategy=GPipeStrategy(), devices=devices, **M.trainer_kwargs())
+    try:
+        trainer.fit(model, M.loader())
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+class Boom(torch.nn.Module):
+    """Raises in its forward on the given rank, at the given call: a stage that breaks mid-training."""
+
+    def __init__(self, rank: int, call: int) -> None:
+        super().__init__()
+        self.rank, self.call, self.calls = rank, call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if int(os.environ.get("RANK", 0)) == self.rank and self.calls == self.call:
+            raise RuntimeError(f"boom on rank {self.rank}")
+        return x
+
+
+def failing_fit(rank: int, world_size: int, failing_rank: int) -> None:
+    """Training where a layer at the end of stage ``failing_rank`` raises at its third call."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    balance = {2: [4, 3], 3: [2, 3, 2]}[world_size]
+    model.backbone.insert(sum(balance[:failing_rank + 1]), Boom(failing_rank, call=3))
+    balance[failing_rank] += 1
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=1, balance=balance), devices=world_size,
+                        **M.trainer_kwargs(max_steps=20))
+    trainer.fit(model, M.loader())

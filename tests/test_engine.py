@@ -1,0 +1,129 @@
+"""The engine on its own: plain PyTorch, no Lightning, real processes over gloo."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _engine_workers import plain_pipeline, reference
+from _launch import run_ok
+from lightning_gpipe import GPipe
+
+
+def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightning():
+    ref_loss, ref_grads, ref_input_grad = reference()
+    results = run_ok(plain_pipeline, 2, [4, 4], 3, timeout=120)
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    assert set(grads) == set(ref_grads)  # each process holds its own stage's layers, under their own names
+    assert set(results[0]["grads"]).isdisjoint(results[1]["grads"])
+    for rank in range(2):
+        assert results[rank]["loss"] == pytest.approx(ref_loss, abs=1e-6)
+        assert not results[rank]["lightning_imported"]
+        # the gradient of the pipeline's input reaches every stage (a layer before the pipe needs it)
+        torch.testing.assert_close(results[rank]["input_grad"], ref_input_grad, atol=1e-6, rtol=0)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=0)
+
+
+def _deep(width=64, depth=8, dropout=0.0):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Dropout(dropout) if dropout else nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _saved_bytes(pipe, x):
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = pipe(x)
+    return out, sum(saved)
+
+
+def test_checkpoint_always_keeps_only_the_micro_batch_inputs_between_fill_and_drain():
+    x = torch.randn(32, 64)
+    pipe = GPipe(_deep(), chunks=4, checkpoint="always")
+    out, saved = _saved_bytes(pipe, x)
+    assert saved == 0  # no activation of any layer is kept for the backward
+    run = out.grad_fn.run  # what the autograd bridge keeps for the drain
+    assert all(o is None for o in run.outputs)
+    assert [tuple(i.shape) for i in run.inputs] == [(8, 64)] * 4
+    assert all(i.data_ptr() == x[8 * k:].data_ptr() for k, i in enumerate(run.inputs))  # views, not copies
+
+    never = GPipe(_deep(), chunks=4, checkpoint="never")
+    _, saved_never = _saved_bytes(never, x)
+    # every Linear keeps its input and every Tanh its output: 16 activations of 32x64 floats
+    assert saved_never >= 16 * 32 * 64 * 4
+    out.sum().backward()  # the drain recomputes and still produces gradients
+    assert all(p.grad is not None for p in pipe.parameters())
+
+
+def test_recompute_replays_the_dropout_masks_of_the_first_forward():
+    x = torch.randn(16, 64)
+    grads = {}
+    for mode in ("always", "never"):
+        pipe = GPipe(_deep(dropout=0.5), chunks=4, checkpoint=mode, seed=3)
+        pipe(x).square().sum().backward()
+        grads[mode] = [p.grad for p in pipe.parameters()]
+    for a, b in zip(grads["always"], grads["never"]):
+        assert torch.equal(a, b)
+
+
+def test_randomness_is_keyed_per_call_and_micro_batch_and_leaves_the_callers_generator_alone():
+    x = torch.ones(8, 64)
+    pipe = GPipe(nn.Sequential(nn.Dropout(0.5)), chunks=2, seed=3)
+    torch.manual_seed(5)
+    first, second = pipe(x), pipe(x)
+    assert not torch.equal(first, second)  # a new call draws new masks
+    assert not torch.equal(first[:4], first[4:])  # each micro-batch its own
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(1), after)  # the pipeline did not consume the caller's random numbers
+
+
+def test_stage_output_that_is_not_a_tensor_names_the_layer():
+    class ToDict(nn.Module):
+        def forward(self, x):
+            return {"x": x}
+
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), ToDict()), chunks=2)
+    with pytest.raises(TypeError, match=r"Layer 1 \(ToDict\), the last of stage 0, got dict.*Tensor or a tuple"):
+        pipe(torch.randn(4, 4))
+
+
+def test_output_without_the_batch_in_dim_0_is_rejected():
+    class Total(nn.Module):
+        def forward(self, x):
+            return x.sum(0, keepdim=True)
+
+    with pytest.raises(ValueError, match="keep the batch in dim 0"):
+        GPipe(nn.Sequential(Total()), chunks=2)(torch.randn(4, 4))
+
+
+def test_batch_smaller_than_chunks_is_rejected_by_the_pipeline():
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4)), chunks=8)
+    with pytest.raises(ValueError, match=r"4 samples but `chunks=8`"):
+        pipe(torch.randn(4, 4))
+
+
+def test_gpipe_needs_a_sequential():
+    with pytest.raises(TypeError, match="splits an nn.Sequential, got Linear"):
+        GPipe(nn.Linear(2, 2))
+
+
+def test_pipeline_of_one_matches_plain_module_under_no_grad_and_with_grad():
+    x = torch.randn(12, 64)
+    module = _deep()
+    expected = module(x)
+    pipe = GPipe(_deep(), chunks=3)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), expected, atol=1e-6, rtol=0)
+    F.mse_loss(pipe(x), torch.zeros_like(expected)).backward()
+    F.mse_loss(expected, torch.zeros_like(expected)).backward()
+    for a, b in zip(pipe.parameters(), module.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0)

@@ -1,0 +1,59 @@
+"""Micro-batching: scatter a batch into exactly `chunks` pieces and gather outputs back."""
+
+import collections
+
+import pytest
+import torch
+
+from lightning_gpipe import microbatch
+
+
+def test_split_sizes_are_as_even_as_possible_and_never_empty():
+    assert microbatch.split_sizes(10, 4) == [3, 3, 2, 2]
+    assert microbatch.split_sizes(9, 4) == [3, 2, 2, 2]  # torch.chunk would give only 3 pieces
+    assert microbatch.split_sizes(8, 8) == [1] * 8
+
+
+def test_batch_smaller_than_chunks_names_the_argument_and_the_fix():
+    with pytest.raises(ValueError, match=r"3 samples but `chunks=4`.*batch size of at least 4.*lower `chunks`"):
+        microbatch.split_sizes(3, 4)
+
+
+@pytest.mark.parametrize("chunks", [0, -1])
+def test_non_positive_chunks_is_rejected(chunks):
+    with pytest.raises(ValueError, match="`chunks` must be a positive integer"):
+        microbatch.split_sizes(8, chunks)
+
+
+def test_scatter_keeps_the_structure_of_tuples_lists_dicts_and_namedtuples():
+    Pair = collections.namedtuple("Pair", "a b")
+    batch = {"x": torch.arange(10), "pair": Pair(torch.ones(10, 2), [torch.zeros(10), "tag"])}
+    parts = microbatch.scatter(batch, 3)
+    assert len(parts) == 3
+    assert [p["x"].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert isinstance(parts[1]["pair"], Pair)
+    assert parts[2]["pair"].b[1] == "tag"  # non-tensor leaves go to every micro-batch
+    assert parts[2]["pair"].b[0].shape == (3,)
+
+
+def test_batch_size_rejects_disagreeing_tensors_and_tensorless_batches():
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        microbatch.batch_size((torch.zeros(4), torch.zeros(5)))
+    with pytest.raises(ValueError, match="holds no tensor"):
+        microbatch.batch_size(["a", 3])
+    with pytest.raises(ValueError, match="0-dimensional"):
+        microbatch.batch_size(torch.tensor(1.0))
+
+
+def test_gather_concatenates_each_output_of_a_tuple():
+    outs = [(torch.full((2, 3), float(i)), torch.full((2,), i)) for i in range(3)]
+    joined = microbatch.gather(outs)
+    assert joined[0].shape == (6, 3) and joined[1].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_as_tuple_rejects_non_tensor_outputs():
+    assert microbatch.as_tuple(torch.zeros(1))[0].shape == (1,)
+    with pytest.raises(TypeError, match="got dict"):
+        microbatch.as_tuple({"a": torch.zeros(1)})
+    with pytest.raises(TypeError, match=r"tuple of \(Tensor, int\)"):
+        microbatch.as_tuple((torch.zeros(1), 3))

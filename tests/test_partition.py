@@ -1,0 +1,87 @@
+"""Balance: the optimal contiguous split, checked against brute force, and explicit balances validated."""
+
+import itertools
+import random
+
+import pytest
+from torch import nn
+
+from lightning_gpipe.partition import balance, balance_by_params, parameter_costs, stage_bounds, validate_balance
+
+
+def _compositions(n, k):
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _objective(costs, sizes):
+    stage_costs, start = [], 0
+    for size in sizes:
+        stage_costs.append(sum(costs[start:start + size]))
+        start += size
+    return max(stage_costs), sum(c * c for c in stage_costs), sizes
+
+
+def test_balance_equals_brute_force_on_random_cost_vectors():
+    rng = random.Random(0)
+    checked = 0
+    while checked < 600:
+        n = rng.randint(1, 12)
+        k = rng.randint(1, min(n, 5))
+        kind = rng.random()
+        if kind < 0.3:  # small integers: many ties
+            costs = [rng.randint(0, 4) for _ in range(n)]
+        elif kind < 0.6:
+            costs = [rng.random() for _ in range(n)]
+        else:
+            costs = [rng.choice([1.0, 10.0, 100.0]) * rng.random() for _ in range(n)]
+        got = balance(costs, k)
+        best = min(_objective(costs, sizes) for sizes in _compositions(n, k))
+        assert len(got) == k and sum(got) == n and min(got) >= 1
+        # same bottleneck, same tie-break (sum of squares, then lexicographic)
+        assert _objective(costs, got)[0] == pytest.approx(best[0], rel=1e-9, abs=1e-12), (costs, k, got, best)
+        assert got == best[2] or _objective(costs, got)[:2] == pytest.approx(best[:2], rel=1e-9, abs=1e-12)
+        checked += 1
+
+
+def test_balance_is_deterministic_on_ties():
+    assert balance([1, 1, 1, 1], 2) == [2, 2]
+    assert balance([0, 0, 0], 3) == [1, 1, 1]
+    assert balance([5, 0, 0, 5], 2) == balance([5, 0, 0, 5], 2)
+
+
+def test_more_stages_than_layers_is_a_clear_error():
+    with pytest.raises(ValueError, match="Cannot split 3 layers into 4 stages.*at most 3 devices"):
+        balance([1, 2, 3], 4)
+
+
+def test_negative_costs_are_rejected():
+    with pytest.raises(ValueError, match="non-negative"):
+        balance([1, -1], 1)
+
+
+def test_balance_by_params_splits_by_parameter_count():
+    model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    assert parameter_costs(model) == [110.0, 0.0, 110.0, 110.0, 110.0]
+    assert balance_by_params(model, 2) == [3, 2]
+
+
+def test_explicit_balance_must_sum_to_the_layer_count():
+    with pytest.raises(ValueError, match=r"`balance=\[2, 2\]` sums to 4 but the backbone has 5 layers.*balance=\[3, 2\]"):
+        validate_balance([2, 2], 5, 2)
+
+
+def test_explicit_balance_needs_one_entry_per_stage():
+    with pytest.raises(ValueError, match="has 3 entries but the pipeline has 2 stages"):
+        validate_balance([1, 2, 2], 5, 2)
+
+
+@pytest.mark.parametrize("bad", [[0, 5], [2.5, 2.5], [], [True, 4]])
+def test_explicit_balance_entries_must_be_positive_integers(bad):
+    with pytest.raises(ValueError, match="list of positive integers"):
+        validate_balance(bad, 5)
+
+
+def test_stage_bounds():
+    assert stage_bounds([2, 1, 3]) == [(0, 2), (2, 3), (3, 6)]

@@ -1,0 +1,141 @@
+"""The Lightning strategy: launch, predict, checkpoints, pipeline-1, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import _models as M
+import _sweeps
+from lightning_gpipe import GPipeStrategy
+
+
+def test_strategy_gpipe_is_registered_on_import():
+    trainer = L.Trainer(strategy="gpipe", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, GPipeStrategy)
+    assert trainer.strategy.chunks == 4 and trainer.strategy.checkpoint == "except_last"
+    assert isinstance(L.Trainer(strategy="gpipe_spawn", accelerator="cpu", devices=1).strategy, GPipeStrategy)
+
+
+def test_devices_1_is_pipeline_1_micro_batching_and_rematerialization_on_one_device(reference_run):
+    config = _sweeps.Config("pipeline-1", strategy=(("chunks", 4), ("checkpoint", "always")))
+    got = _sweeps.run_config(config, devices=1)
+    reference = reference_run(config)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), atol=1e-6, rtol=0)
+    for key, value in reference["weights"].items():
+        torch.testing.assert_close(got["weights"][key], value, atol=1e-6, rtol=0)
+
+
+def test_predict_returns_the_real_outputs(pipeline_runs):
+    for rank_results in pipeline_runs(2):
+        result = rank_results["predict"]
+        model = M.Net()
+        model.load_state_dict(result["weights"])
+        with torch.no_grad():
+            expected = torch.cat([model(x) for x, _ in M.loader(shuffle=False)])
+        torch.testing.assert_close(result["predictions"], expected, atol=1e-6, rtol=0)
+
+
+def test_checkpoint_holds_the_whole_model_and_loads_on_one_device_without_this_package(pipeline_runs):
+    result = pipeline_runs(2)[0]["checkpoint"]
+    checkpoint = torch.load(result["path"], weights_only=False)
+    assert list(checkpoint["state_dict"]) == list(M.Net().state_dict())  # original keys, original order
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.modules["lightning_gpipe"] = None  # this package is not importable here
+        import _models as M
+        model = M.Net.load_from_checkpoint({result['path']!r})
+        torch.save(model.state_dict(), {result['path'] + '.loaded'!r})
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    loaded = torch.load(result["path"] + ".loaded")
+    for key, value in result["weights"].items():
+        torch.testing.assert_close(loaded[key], value, atol=0, rtol=0)
+
+
+def test_spawn_launcher_gives_the_main_process_the_whole_trained_model(reference_run):
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, start_method="spawn"), devices=2, **M.trainer_kwargs())
+    trainer.fit(model, M.loader())
+    reference = reference_run(_sweeps.Config("spawn"))
+    for key, value in reference["weights"].items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-6, rtol=0)
+    assert isinstance(model.backbone, nn.Sequential)
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+
+
+def _fit(model, strategy, batch_size=8):
+    trainer = L.Trainer(strategy=strategy, devices=1, **M.trainer_kwargs(max_steps=1))
+    trainer.fit(model, M.loader(batch_size=batch_size))
+
+
+def test_balance_that_does_not_sum_to_the_layer_count():
+    with pytest.raises(ValueError, match=r"`balance=\[6\]` sums to 6 but the backbone has 7 layers"):
+        _fit(M.Net(), GPipeStrategy(balance=[6]))
+
+
+def test_balance_with_the_wrong_number_of_stages():
+    with pytest.raises(ValueError, match="`balance` has 2 entries but the pipeline has 1 stages"):
+        _fit(M.Net(), GPipeStrategy(balance=[3, 4]))
+
+
+def test_more_stages_than_layers(pipeline_runs):
+    message = pipeline_runs(2)[0]["too many stages"]
+    assert "The pipeline has 2 stages but `backbone` has only 1 layers" in message
+    assert "at most 1 devices" in message
+
+
+def test_missing_backbone_names_the_attribute_and_the_fix():
+    with pytest.raises(ValueError, match=r"Net has no attribute `features`.*GPipeStrategy\(backbone=...\)"):
+        _fit(M.Net(), GPipeStrategy(backbone="features"))
+
+
+def test_backbone_that_is_not_a_sequential():
+    model = M.Net()
+    model.backbone = nn.Linear(M.FEATURES, 8)
+    with pytest.raises(TypeError, match=r"`Net.backbone` is a Linear.*Make the backbone an nn.Sequential"):
+        _fit(model, GPipeStrategy())
+
+
+def test_batch_smaller_than_the_micro_batch_count():
+    with pytest.raises(ValueError, match=r"8 samples but `chunks=16`.*GPipeStrategy\(chunks=...\)"):
+        _fit(M.Net(), GPipeStrategy(chunks=16))
+
+
+def test_stage_output_that_is_not_a_tensor():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return [x, x]
+
+    model = M.Net()
+    model.backbone.append(Pair())
+    with pytest.raises(TypeError, match=r"Layer 7 \(Pair\).*got list.*Tensor or a tuple of Tensors"):
+        _fit(model, GPipeStrategy())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"chunks": 0}, "`chunks` must be a positive integer"),
+    ({"checkpoint": "sometimes"}, "`checkpoint` must be one of"),
+    ({"balance": "fast"}, "`balance` must be a list of layers per stage or 'params'"),
+    ({"pipe_size": 0}, "`pipe_size` must be a positive integer"),
+    ({"backbone": ""}, "`backbone` must name the attribute"),
+])
+def test_bad_strategy_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPipeStrategy(**kwargs)
+
+
+def test_pipe_size_that_does_not_divide_the_processes():
+    with pytest.raises(ValueError, match="`pipe_size=2` does not divide the 1 processes"):
+        _fit(M.Net(), GPipeStrategy(pipe_size=2))
