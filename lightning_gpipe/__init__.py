@@ -4,13 +4,15 @@ The engine (``GPipe`` and everything under it) is plain PyTorch and works withou
 strategy is the Lightning glue, and importing this package registers it as ``"gpipe"``.
 """
 
+from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine import is_recomputing
 from lightning_gpipe.failure import PipelineError
 from lightning_gpipe.partition import balance
 from lightning_gpipe.pipe import GPipe
 from lightning_gpipe.topology import PipeLayout
 
-__all__ = ["GPipe", "GPipeStrategy", "PipeLayout", "PipelineError", "balance", "is_recomputing", "__version__"]
+__all__ = ["DeferredBatchNorm", "GPipe", "GPipeStrategy", "PipeLayout", "PipelineError", "balance", "is_recomputing",
+           "__version__"]
 
 __version__ = "0.1.0"
 

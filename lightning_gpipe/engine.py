@@ -54,7 +54,9 @@ def _recomputing(stage: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for m, values in zip(norms, saved):
                 for b, v in zip(m.buffers(), values):
-                    b.copy_(v)
+                    # Through `.data`: BatchNorm's backward keeps the running statistics it was given, and a
+                    # restore that bumped their version would make autograd reject the recomputed graph.
+                    b.data.copy_(v)
 
 
 def _as_leaf(t: Tensor) -> Tensor:

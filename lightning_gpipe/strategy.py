@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_gpipe import clipping, state
 from lightning_gpipe._lightning import init_process_group, optimizers_to_device
+from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.failure import FailureBoard
 from lightning_gpipe.partition import balance_by_params, validate_balance
 from lightning_gpipe.pipe import GPipe
@@ -59,6 +60,9 @@ class GPipeStrategy(ParallelStrategy):
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks, tests).
         watchdog_grace: seconds a rank may stay blocked (in a collective of Lightning's) after another
             rank failed, before the watchdog ends its process.
+        deferred_batch_norm: replace the backbone's BatchNorm layers by
+            :class:`~lightning_gpipe.DeferredBatchNorm`, whose running statistics cover the whole batch
+            instead of moving once per micro-batch.
     """
 
     strategy_name = "gpipe"
@@ -74,6 +78,7 @@ class GPipeStrategy(ParallelStrategy):
         timeout: float = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         watchdog_grace: float = 10.0,
+        deferred_batch_norm: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -98,6 +103,7 @@ class GPipeStrategy(ParallelStrategy):
         self.balance, self.chunks, self.checkpoint, self.backbone = balance, chunks, checkpoint, backbone
         self._pipe_size, self.seed, self.timeout = pipe_size, seed, timeout
         self._start_method, self.watchdog_grace = start_method, watchdog_grace
+        self.deferred_batch_norm = deferred_batch_norm
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._process_group_timeout = process_group_timeout
@@ -203,6 +209,8 @@ class GPipeStrategy(ParallelStrategy):
                 f"`{type(module).__name__}.{self.backbone}` is a {type(sequential).__name__}, but the gpipe strategy "
                 "splits an nn.Sequential into stages. Make the backbone an nn.Sequential of its layers."
             )
+        if self.deferred_batch_norm:  # before partitioning: the layers are replaced in place
+            DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
         layout = self.layout
         if layout.pipe_size > len(sequential):
             raise ValueError(

@@ -1,0 +1,137 @@
+"""``DeferredBatchNorm``: BatchNorm whose running statistics cover the mini-batch, not each micro-batch.
+
+A pipeline runs a layer once per micro-batch. Plain BatchNorm would then move its running statistics
+``chunks`` times per step, each time with a micro-batch's statistics, and its ``running_var`` would
+carry each micro-batch's ``n/(n-1)`` correction: after training they differ from a one-device run's.
+DeferredBatchNorm keeps the per-micro-batch statistics aside, merges them, and updates the running
+statistics once per mini-batch, exactly as BatchNorm on the whole mini-batch would. Plain PyTorch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, TypeVar
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_gpipe.engine import is_recomputing
+
+__all__ = ["DeferredBatchNorm"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """BatchNorm for pipelines: running statistics over the ``chunks`` micro-batches of each mini-batch.
+
+    - Training: each micro-batch is normalized with its own statistics, as BatchNorm does with the
+      batch it is given (so the forward equals a one-device run only when ``chunks == 1``, as in
+      GPipe and torchgpipe). Its mean and variance are merged into the mini-batch's; after the
+      ``chunks``-th micro-batch, ``running_mean`` and ``running_var`` (unbiased, over the whole
+      mini-batch) move once, with BatchNorm's ``momentum`` rule, and ``num_batches_tracked`` counts 1.
+      Given the same inputs, the running statistics equal those of BatchNorm on the whole mini-batch.
+    - The recompute of a checkpointed micro-batch (``lightning_gpipe.is_recomputing()``) is not counted.
+    - Evaluation: identical to BatchNorm, with the running statistics.
+
+    Every training forward counts as one micro-batch, so use it where the engine calls the layer
+    ``chunks`` times per step: ``GPipeStrategy(deferred_batch_norm=True)`` converts the backbone.
+    Its ``state_dict`` has BatchNorm's keys, so checkpoints load into the unconverted model.
+
+    Example::
+
+        model = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=4)
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 chunks: int = 1, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True, device=device, dtype=dtype)
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"`chunks` must be a positive integer (micro-batches per mini-batch), got {chunks!r}.")
+        self.chunks = chunks
+        # The mini-batch so far: micro-batches and values seen, their mean and sum of squared deviations,
+        # in float64 so that merging many micro-batches loses nothing. Buffers, so they follow the
+        # module's device; non-persistent, so the state_dict stays BatchNorm's.
+        self._micro = 0
+        self.register_buffer("_count", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("_mean", torch.zeros(num_features, dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("_m2", torch.zeros(num_features, dtype=torch.float64, device=device), persistent=False)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"DeferredBatchNorm expects (N, C, ...) input, got a {input.dim()}D tensor.")
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if not self.training:
+            return super().forward(input)
+        if not is_recomputing():
+            self._track(input)
+        return nn.functional.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def _track(self, input: Tensor) -> None:
+        """Merge this micro-batch's statistics into the mini-batch's (Chan et al.'s parallel variance)."""
+        dims = [0, *range(2, input.dim())]
+        n = input.numel() // max(input.shape[1], 1)
+        x = input.detach()
+        var, mean = torch.var_mean(x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=dims, correction=0)
+        var, mean = var.double(), mean.double()
+        total = self._count + n
+        delta = mean - self._mean
+        self._m2.add_(var * n + delta.square() * (self._count * n / total))
+        self._mean.add_(delta * (n / total))
+        self._count.copy_(total)
+        self._micro += 1
+        if self._micro >= self.chunks:
+            self._commit()
+
+    def _commit(self) -> None:
+        """Move the running statistics once, as BatchNorm on the whole mini-batch would."""
+        count = float(self._count)
+        self.num_batches_tracked.add_(1)  # type: ignore[operator, union-attr]
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum  # type: ignore
+        unbiased = self._m2 / max(count - 1.0, 1.0)
+        self.running_mean.lerp_(self._mean.to(self.running_mean.dtype), factor)  # type: ignore[union-attr]
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)  # type: ignore[union-attr]
+        self._micro = 0
+        for buffer in (self._count, self._mean, self._m2):
+            buffer.zero_()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunks={self.chunks}"
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: M, chunks: int = 1) -> M:
+        """``module`` with every BatchNorm that tracks running statistics replaced by a DeferredBatchNorm.
+
+        The replacements share the originals' parameters and copy their buffers and training mode.
+        BatchNorms without running statistics are left alone: they always normalize by the batch
+        they are given and have nothing to defer. Modules are replaced in place; the return value is
+        ``module`` itself unless ``module`` is a BatchNorm.
+        """
+        if isinstance(module, cls):
+            module.chunks = chunks
+            return module
+        if isinstance(module, _BatchNorm) and module.track_running_stats:
+            return cls._from_batch_norm(module, chunks)  # type: ignore[return-value]
+        for name, child in module.named_children():
+            converted = cls.convert_deferred_batch_norm(child, chunks)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+    @classmethod
+    def _from_batch_norm(cls, norm: _BatchNorm, chunks: int) -> "DeferredBatchNorm":
+        device = norm.running_mean.device  # type: ignore[union-attr]
+        if device.type == "meta":
+            device = torch.device("meta")
+        deferred = cls(norm.num_features, norm.eps, norm.momentum, norm.affine, chunks, device=device)
+        if norm.affine:
+            deferred.weight, deferred.bias = norm.weight, norm.bias
+        with torch.no_grad():
+            deferred.running_mean = norm.running_mean
+            deferred.running_var = norm.running_var
+            deferred.num_batches_tracked = norm.num_batches_tracked
+        deferred.train(norm.training)
+        return deferred
