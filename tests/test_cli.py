@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import subprocess
 import sys
 import tomllib
 from unittest import mock
@@ -13,9 +12,9 @@ from unittest import mock
 import pytest
 import torch
 
+from _scripts import ROOT, run_script
 from lightning_gpipe.cli import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 
 TINY = [  # CPU, one process, FakeData at 64x64, AmoebaNet-D (3, 8), one batch of each split
@@ -60,11 +59,7 @@ def _fit(tmp_path, name: str, *overrides: str) -> tuple[str, dict[str, torch.Ten
             *overrides]
     # One thread per process in both runs: on the CPU, the number of threads changes the rounding of
     # reductions in convolutions, and Lightning would give 1 process 2 threads but 2 processes 1 each.
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "lightning_gpipe.cli", *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600, env=env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    output = run_script("-m", "lightning_gpipe.cli", *args, timeout=600, OMP_NUM_THREADS="1")
     (checkpoint,) = glob.glob(os.path.join(root, "checkpoints", "*.ckpt"))
     return output, torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
 

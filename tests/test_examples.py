@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_script(*args: str, timeout: float = 300) -> str:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr
+from _scripts import run_script
 
 
 def test_digits_cnn_trains_over_two_processes_launched_by_lightning():
