@@ -133,7 +133,11 @@ def amoebanetd(num_classes: int = 1000, num_layers: int = 18, num_filters: int =
     classifier; ``len(model) == L + 4`` with the "small" stem and ``L + 6`` with the "imagenet" one.
     Indices, not names, key the layers, so a pipeline's checkpoint loads into this Sequential.
 
-    Deviations, none of which changes a parameter count (the test checks them against torchgpipe's):
+    The cells are TensorFlow's reference AmoebaNet-D (which torchgpipe and the GPipe paper's counts follow):
+    the normal cell concatenates states (0, 3, 4, 6) where the AmoebaNet paper's figure shows (4, 5, 6),
+    and its wide convolutions are bottlenecks through a quarter of the channels.
+
+    Deviations from those, none of which changes a parameter count (the test checks them against torchgpipe's):
     - ``max_pool_3x3`` is a max pool; torchgpipe's benchmark model uses an average pool there.
     - The classifier pools globally (TensorFlow's reference does too), so any multiple of 32 works;
       torchgpipe's ``AvgPool2d(7)`` fits 224 only. Like TensorFlow's, it applies a ReLU first.
