@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--arch", default="resnet18", help="the torchvision architecture of --torchvision-weights")
     parser.add_argument("--image-size", type=int, default=None, help="resize the digits (e.g. 32 for a ResNet)")
     parser.add_argument("--limit-train-batches", type=float, default=1.0)
-    parser.add_argument("--out", default="finetune_out", help="where the checkpoints go")
+    parser.add_argument("--out", default="runs/finetune", help="where the checkpoints go")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     pretrained = args.torchvision_weights or pretrain(args)
