@@ -28,6 +28,7 @@ from lightning_gpipe.failure import FailureBoard
 from lightning_gpipe.partition import balance_by_params, validate_balance
 from lightning_gpipe.pipe import GPipe
 from lightning_gpipe.schedule import CHECKPOINT_MODES
+from lightning_gpipe.summary import use_pipeline_summaries
 from lightning_gpipe.topology import PipeLayout
 
 __all__ = ["GPipeStrategy"]
@@ -232,6 +233,7 @@ class GPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         _use_global_norm_clipping(self.precision_plugin, self)
+        use_pipeline_summaries(trainer.callbacks)
 
     @override
     def model_to_device(self) -> None:

@@ -83,6 +83,7 @@ def sweep(rank: int, world_size: int, configs: list[Config], extras: bool) -> di
         results["predict"] = predict_after_fit(world_size)
         results["checkpoint"] = checkpoint_during_fit(world_size)
         results["too many stages"] = too_many_stages(world_size)
+        results["summary"] = summary_totals(world_size)
     return results
 
 
@@ -111,6 +112,29 @@ def checkpoint_during_fit(devices: int) -> dict[str, Any]:
     trainer.fit(model, M.loader())
     return {"path": checkpoint.best_model_path or os.path.join(directory, "last.ckpt"),
             "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+_SUMMARIES: list[dict[str, Any]] = []
+
+
+def summary_totals(devices: int) -> list[dict[str, Any]]:
+    """What Lightning's model summary reports (it prints on rank 0 only)."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from lightning_gpipe import GPipeStrategy
+
+    class Recording(ModelSummary):
+        @staticmethod
+        def summarize(summary_data, total_parameters, trainable_parameters, *args, **kwargs):
+            _SUMMARIES.append({"rows": dict(summary_data), "total": total_parameters,
+                               "trainable": trainable_parameters})
+
+    model = M.Net()
+    model.backbone[0].weight.requires_grad_(False)
+    trainer = L.Trainer(strategy=GPipeStrategy(), devices=devices,
+                        **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording()]))
+    trainer.fit(model, M.loader())
+    return list(_SUMMARIES)
 
 
 def too_many_stages(devices: int) -> str:
