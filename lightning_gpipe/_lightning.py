@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 
 import torch
@@ -9,7 +10,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
-__all__ = ["init_process_group", "optimizers_to_device"]
+__all__ = ["init_process_group", "optimizers_to_device", "silence_not_resumable_warning"]
 
 
 def init_process_group(environment: ClusterEnvironment, backend: str, device: torch.device,
@@ -22,3 +23,15 @@ def init_process_group(environment: ClusterEnvironment, backend: str, device: to
 
 
 optimizers_to_device = _optimizers_to_device
+
+
+def silence_not_resumable_warning() -> None:
+    """Drop Lightning's warning that a plain DataLoader cannot resume mid-epoch: the strategy resumes it.
+
+    Lightning warns when the loader lacks its stateful-loader protocol, which this package does not use
+    (see ``resumable.py``), so the warning is matched by its text.
+    """
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended",
+                            category=PossibleUserWarning)

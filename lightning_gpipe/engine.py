@@ -30,6 +30,7 @@ __all__ = ["StageRunner", "Tracer", "is_recomputing"]
 Tracer = Callable[[str, int, float, float], None]
 
 _local = threading.local()
+_EVAL_CALLS = 1 << 62  # evaluation calls key their random streams from here on
 
 
 def is_recomputing() -> bool:
@@ -92,7 +93,8 @@ class StageRunner:
         self.layers, self.stage, self.ranks = layers, stage, ranks
         self.channels, self.chunks, self.checkpoint = channels, chunks, checkpoint
         self.device, self.seed = device, seed
-        self.calls = 0
+        self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
+        self.eval_calls = 0
         self.tracer: Optional[Tracer] = None
         self._modules = nn.ModuleList(m for _, m in layers)
 
@@ -106,10 +108,13 @@ class StageRunner:
 
     def __call__(self, batch: Any) -> microbatch.Outputs:
         """The backbone's output for ``batch``, on every rank of the pipeline."""
+        if not torch.is_grad_enabled():
+            # evaluation calls count apart, so that validating does not move the training's random streams
+            call = _EVAL_CALLS + self.eval_calls
+            self.eval_calls += 1
+            return microbatch.from_tuple(*self._fill(batch, call, None))
         call = self.calls
         self.calls += 1
-        if not torch.is_grad_enabled():
-            return microbatch.from_tuple(*self._fill(batch, call, None))
         leaves = microbatch.tensors(batch)
         anchor = torch.empty(0, device=self.device, requires_grad=True)  # see _Bridge
         box: dict[str, bool] = {}

@@ -80,7 +80,10 @@ class GPipe(nn.Module):
             else:
                 layer.to("meta")  # frees the memory of other stages' layers, even if the caller keeps references
         self._full = [module]  # in a list, so that it is not a submodule: only the own stage is registered
+        self._own_board = board is None
         self.board = board or FailureBoard.for_default_group(self.describe, namespace="lightning_gpipe")
+        if self._own_board:
+            self.board.start(grace=10.0, failure_timeout=30.0)
         self.ranks = layout.pipeline_of(rank)
         self.group: Optional[dist.ProcessGroup] = None  # this pipeline's ranks, for collectives across stages
         if stages > 1:
@@ -133,6 +136,8 @@ class GPipe(nn.Module):
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+        if self._own_board:
+            self.board.stop()
 
     def __getitem__(self, index: int) -> nn.Module:
         name = str(index if index >= 0 else self.num_layers + index)

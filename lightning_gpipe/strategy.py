@@ -22,11 +22,13 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_gpipe import clipping, state
-from lightning_gpipe._lightning import init_process_group, optimizers_to_device
-from lightning_gpipe.failure import FailureBoard
+from lightning_gpipe import clipping, optim_state, state
+from lightning_gpipe.checkpoint import atomic_write, is_sharded, load_sharded, save_sharded
+from lightning_gpipe._lightning import init_process_group, optimizers_to_device, silence_not_resumable_warning
+from lightning_gpipe.failure import FailureBoard, exit_without_finalizers
 from lightning_gpipe.partition import balance_by_params, validate_balance
 from lightning_gpipe.pipe import GPipe
+from lightning_gpipe.resumable import RandomState, resumable
 from lightning_gpipe.schedule import CHECKPOINT_MODES
 from lightning_gpipe.summary import use_pipeline_summaries
 from lightning_gpipe.topology import PipeLayout
@@ -60,6 +62,11 @@ class GPipeStrategy(ParallelStrategy):
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks, tests).
         watchdog_grace: seconds a rank may stay blocked (in a collective of Lightning's) after another
             rank failed, before the watchdog ends its process.
+        failure_timeout: seconds without a heartbeat after which a rank counts as dead (a killed rank
+            is usually noticed at once, through its closed connections; this is the fallback).
+        state_dict_type: ``"full"`` (default): one checkpoint file gathered on the first stage,
+            loadable on one device without this package; ``"sharded"``: a directory written by every
+            stage with ``torch.distributed.checkpoint``, for models too big to gather on one host.
     """
 
     strategy_name = "gpipe"
@@ -75,6 +82,8 @@ class GPipeStrategy(ParallelStrategy):
         timeout: float = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         watchdog_grace: float = 10.0,
+        failure_timeout: float = 30.0,
+        state_dict_type: Literal["full", "sharded"] = "full",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -96,15 +105,23 @@ class GPipeStrategy(ParallelStrategy):
             raise ValueError(f"`backbone` must name the attribute that holds the nn.Sequential, got {backbone!r}.")
         if pipe_size is not None and (not isinstance(pipe_size, int) or pipe_size < 1):
             raise ValueError(f"`pipe_size` must be a positive integer, got {pipe_size!r}.")
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"`state_dict_type` must be 'full' or 'sharded', got {state_dict_type!r}.")
         self.balance, self.chunks, self.checkpoint, self.backbone = balance, chunks, checkpoint, backbone
         self._pipe_size, self.seed, self.timeout = pipe_size, seed, timeout
         self._start_method, self.watchdog_grace = start_method, watchdog_grace
+        self.failure_timeout, self.state_dict_type = failure_timeout, state_dict_type
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._process_group_timeout = process_group_timeout
         self.pipe: Optional[GPipe] = None
         self._board: Optional[FailureBoard] = None
         self._failed = False
+        self._full_names: list[str] = []  # the model's parameter names in order, before partitioning
+        self._layouts: list[optim_state.Layout] = []  # per optimizer: its groups over the whole model
+        self._loaders: list[Any] = []  # the resumable training loaders handed to the loop
+        self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
+        self._batch_idx = -1
 
     # -- processes and ranks ---------------------------------------------------------------------------
 
@@ -168,7 +185,7 @@ class GPipeStrategy(ParallelStrategy):
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
         self._failed = False
         if self.world_size > 1:
-            self._board.start_watchdog(self.watchdog_grace)
+            self._board.start(self.watchdog_grace, self.failure_timeout)
 
     def _describe(self, rank: int) -> str:
         layout = self.layout
@@ -214,6 +231,7 @@ class GPipeStrategy(ParallelStrategy):
             balance = balance_by_params(sequential, layout.pipe_size)
         else:
             balance = validate_balance(self.balance, len(sequential), layout.pipe_size)
+        self._full_names = [n for n, _ in module.named_parameters()]
         pipe = GPipe(sequential, balance, chunks=self.chunks, checkpoint=self.checkpoint, layout=layout,
                      device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board)
         setattr(owner, name, pipe)
@@ -228,10 +246,19 @@ class GPipeStrategy(ParallelStrategy):
         self.model_to_device()
         self._sync_replicated()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            try:
+                self.setup_optimizers(trainer)
+            except ValueError as error:
+                if "empty parameter list" not in str(error):
+                    raise
+                raise ValueError(
+                    f"Stage {self.pipe.stage} has no parameters for its optimizer (layers "
+                    f"{[i for i, _ in self.pipe.local_layers()]}). Give every stage trainable layers with `balance`, "
+                    "or keep a trainable layer outside the backbone (a head) that every stage steps.") from error
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+            self._layouts = [self._optimizer_layout(o) for o in self.optimizers]
         _use_global_norm_clipping(self.precision_plugin, self)
         use_pipeline_summaries(trainer.callbacks)
 
@@ -291,40 +318,141 @@ class GPipeStrategy(ParallelStrategy):
             tensor = tensor / dist.get_world_size(group)
         return tensor
 
-    # -- checkpoints and teardown ------------------------------------------------------------------------
+    # -- data ------------------------------------------------------------------------------------------
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training loader resumable mid-epoch (see :mod:`lightning_gpipe.resumable`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, torch.utils.data.DataLoader):
+            return dataloader
+        loader = resumable(dataloader, consumed=lambda: self._batch_idx + 1, random=RandomState(self.root_device))
+        if self._loader_position is not None and hasattr(loader, "restore"):
+            loader.restore(self._loader_position)
+            self._loader_position = None
+        self._loaders = [loader]
+        return loader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_idx = batch_idx
+        for loader in self._loaders:
+            if getattr(loader, "pending_random_state", None) is not None:  # resumed mid-epoch: go on as if never stopped
+                loader._random.set(loader.pending_random_state)
+                loader.pending_random_state = None
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # restore into the partitioned model: each stage loads only the entries of its own layers
+        return True
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state_dict under its original keys, on the first stage; collective."""
+        """The whole model's state_dict under its original keys, on the first stage; collective.
+
+        With ``state_dict_type="sharded"`` every stage keeps its own part; the checkpoint writer stores it.
+        """
         module = self.lightning_module
         assert module is not None
         local = module.state_dict()
-        if self.pipe is None or self.pipe.group is None:
+        if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded":
             return local
         full_backbone = state.gather_state_dict(self.pipe)
-        if full_backbone is None:
-            return local
-        prefix = self.backbone + "."
-        backbone = {prefix + k: v for k, v in full_backbone.items()}
-        merged: dict[str, Any] = {}
-        for key, value in local.items():  # the backbone's entries go where the stage's were, in layer order
-            if not key.startswith(prefix):
-                merged[key] = value
-            elif backbone:
-                merged.update(backbone)
-                backbone = {}
-        merged.update(backbone)  # a first stage without state of its own (only activations, say)
-        return merged
+        return local if full_backbone is None else state.merge_backbone(local, full_backbone, self.backbone + ".")
+
+    def _optimizer_layout(self, optimizer: Any) -> optim_state.Layout:
+        names = optim_state.param_names(_unwrap(optimizer), self.lightning_module)
+        everyone = state.gather_objects(self.pipe, names, to_all=True) if self.pipe is not None else [names]
+        return optim_state.layout(everyone, self._full_names)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state for the whole model, numbered as on one device, on the first stage; collective."""
+        optimizer = _unwrap(optimizer)
+        if self.pipe is None or self.lightning_module is None:
+            return optimizer.state_dict()
+        named = optim_state.named_state(optimizer, self.lightning_module)
+        if self.state_dict_type == "sharded":
+            return named
+        parts = state.gather_objects(self.pipe, named, to_all=False)
+        if parts is None:
+            return {}
+        return optim_state.merge(parts, self._layouts[self.optimizers.index(optimizer)])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each stage takes its parameters' state, by name, from a checkpoint of any split or of one device."""
+        module = self.lightning_module
+        for optimizer, saved, layout in zip(self.optimizers, checkpoint["optimizer_states"], self._layouts):
+            optimizer = _unwrap(optimizer)
+            if "groups" in saved:  # a sharded checkpoint keeps the named form
+                saved = optim_state.from_named(saved)
+            optimizer.load_state_dict(optim_state.localize(saved, optimizer, module, layout))
+        optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write atomically: the whole file on the first rank, or (sharded) every stage's part."""
+        if self.pipe is not None:
+            checkpoint["gpipe"] = {"calls": self.pipe.runner.calls, "seed": self.pipe.runner.seed,
+                                   "stages": self.layout.pipe_size, "balance": self.pipe.balance}
+            if self._loaders and hasattr(self._loaders[0], "position"):
+                checkpoint["gpipe"]["loader"] = self._loaders[0].position()
+        path = str(filepath)
+        if self.state_dict_type == "sharded":
+            if self.pipe is not None:  # the key order of a one-device state_dict, for `consolidate`
+                keys = state.gather_objects(self.pipe, list(self.pipe.state_dict()), to_all=False)
+                full = {k: None for part in keys or [] for k in part}
+                checkpoint["gpipe"]["state_dict_keys"] = list(
+                    state.merge_backbone(checkpoint["state_dict"], full, self.backbone + "."))
+            save_sharded(checkpoint, path, writer=self.is_global_zero)
+        elif self.is_global_zero:
+            if "://" in path:  # a remote filesystem: leave atomicity to the CheckpointIO plugin
+                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            else:
+                atomic_write(lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options), path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = str(checkpoint_path)
+        if is_sharded(path):
+            checkpoint = load_sharded(path, self._wanted_keys())
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get("gpipe")
+        if saved is not None and self.pipe is not None:  # the random streams go on where they stopped
+            self.pipe.runner.calls, self.pipe.runner.seed = saved["calls"], saved["seed"]
+        if saved is not None and saved.get("loader") is not None:
+            self._loader_position = saved["loader"]  # for the training loader the loop makes next
+            silence_not_resumable_warning()
+        return checkpoint
+
+    def _wanted_keys(self):
+        """Which entries of a sharded checkpoint this stage reads: its own layers, the rest of the model."""
+        module = self.lightning_module
+        assert module is not None
+        model_keys = set(module.state_dict())
+        param_keys = {n for n, _ in module.named_parameters()}
+
+        def wanted(keys: tuple) -> bool:
+            if keys[0] == "state_dict":
+                return keys[1] in model_keys
+            if keys[0] == "optimizer_states":
+                return keys[2] == "groups" or (keys[2] == "state" and keys[3] in param_keys)
+            return False
+
+        return wanted
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
         state_dict = checkpoint["state_dict"]
-        owner, name = self._backbone_owner(module)
-        pipe = getattr(owner, name)
-        if isinstance(pipe, GPipe):  # partitioned: this stage takes its layers' entries only
-            state_dict = state.local_state_dict(state_dict, pipe, self.backbone + ".")
+        if self.pipe is not None:  # partitioned: this stage takes its layers' entries only
+            state_dict = state.local_state_dict(state_dict, self.pipe, self.backbone + ".")
         module.load_state_dict(state_dict, strict=strict)
 
     @override
@@ -332,6 +460,8 @@ class GPipeStrategy(ParallelStrategy):
         self._failed = True
         if self._board is not None:
             self._board.publish(exception)
+        if self.pipe is not None and self.pipe.runner.channels is not None:  # threads may wait on dead peers
+            exit_without_finalizers(self._board)
 
     @override
     def teardown(self) -> None:
@@ -343,8 +473,8 @@ class GPipeStrategy(ParallelStrategy):
             setattr(owner, name, state.reassemble(self.pipe))
             self.pipe.close()
         self.pipe = None
-        if self._board is not None:
-            self._board.stop_watchdog()
+        if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
+            self._board.stop()
         super().teardown()
 
     @classmethod
@@ -354,6 +484,10 @@ class GPipeStrategy(ParallelStrategy):
         for name, start_method in entries:
             strategy_registry.register(name, cls, description=f"GPipe pipeline, processes started with "
                                        f"{start_method!r}", start_method=start_method)
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
 
 
 def _use_global_norm_clipping(plugin: Precision, strategy: GPipeStrategy) -> None:
