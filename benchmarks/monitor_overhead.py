@@ -16,7 +16,7 @@ both alike (ABBA order). Three figures per configuration:
 - end of fit: the one-off seconds of ``on_fit_start`` and ``on_train_end`` (gathers, table,
   trace JSON, PNG with matplotlib), paid once per fit, not per step.
 
-Rank 0 prints a markdown table and writes JSON (``--out``).
+Rank 0 prints a markdown table and writes JSON (``--out``, by default ``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "monitor_overhead.json"))
     parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "lightning_gpipe_traces"))
     args = parser.parse_args()
@@ -174,6 +174,10 @@ def main() -> None:
         print(f"| {r['log_every_n_steps']} | {r['plain_step_ms']:.1f} | {r['monitor_step_ms']:.1f} | "
               f"{100 * r['ab_overhead']:+.1f}% | {100 * r['self_cpu_fraction']:.2f}% | "
               f"{100 * r['self_wall_fraction']:.2f}% | {r['one_off_s']:.2f} |")
+    print("\nself CPU: thread CPU time in the monitor's per-batch hooks and tracer calls (the slowest stage); self wall:"
+          "\nthe same in wall time, which adds preemption on a shared machine and, when gathering, the wait for the"
+          "\nslowest stage at the gather (a wait the next step's receive absorbs otherwise; compare A/B).")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"setup": setup, "args": vars(args), "results": results}, f, indent=2)
     print(f"\nwrote {args.out}")
