@@ -8,9 +8,11 @@ from lightning_gpipe.engine import is_recomputing
 from lightning_gpipe.failure import PipelineError
 from lightning_gpipe.partition import balance
 from lightning_gpipe.pipe import GPipe
+from lightning_gpipe.timer import StageTimer
 from lightning_gpipe.topology import PipeLayout
 
-__all__ = ["GPipe", "GPipeStrategy", "PipeLayout", "PipelineError", "balance", "is_recomputing", "__version__"]
+__all__ = ["GPipe", "GPipeStrategy", "PipeLayout", "PipelineError", "PipelineMonitor", "StageTimer", "balance",
+           "is_recomputing", "__version__"]
 
 __version__ = "0.1.0"
 
@@ -19,6 +21,7 @@ try:
 except ImportError:  # plain PyTorch use of the engine
     pass
 else:
+    from lightning_gpipe.callbacks import PipelineMonitor
     from lightning_gpipe.strategy import GPipeStrategy
 
     # Lightning has no entry point for strategies: importing this package is what makes "gpipe" known.

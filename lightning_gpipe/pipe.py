@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_gpipe import microbatch
 from lightning_gpipe.comm import Channels
-from lightning_gpipe.engine import StageRunner
+from lightning_gpipe.engine import StageRunner, Tracer
 from lightning_gpipe.failure import FailureBoard
 from lightning_gpipe.partition import balance_by_params, stage_bounds, validate_balance
 from lightning_gpipe.topology import PipeLayout
@@ -116,6 +116,15 @@ class GPipe(nn.Module):
     @property
     def checkpoint(self) -> str:
         return self.runner.checkpoint
+
+    @property
+    def tracer(self) -> Optional[Tracer]:
+        """What this stage reports its passes to (see :class:`lightning_gpipe.timer.StageTimer`); ``None``: nothing."""
+        return self.runner.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Optional[Tracer]) -> None:
+        self.runner.tracer = tracer
 
     def local_layers(self) -> list[tuple[int, nn.Module]]:
         """This stage's ``(index, layer)`` pairs."""
