@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -119,11 +120,14 @@ class PipelineMonitor(Callback):
                 self._traced.append(record)
 
     def _gather(self, trainer: "pl.Trainer", sums: list[float]) -> tuple[dict[int, dict[str, float]], float]:
-        """Every stage's per-step averages (replicas of a stage pooled), and the pipeline's bubble; collective."""
+        """Every stage's per-step averages (replicas of a stage pooled), and the pipeline's bubble; collective.
+
+        Gathers from every rank (``group=WORLD``): the strategy's own default is the replicas of one stage.
+        """
         pipe = self._pipe(trainer)
         mine = torch.tensor([*sums, peak_memory_bytes(pipe.device)], dtype=torch.float64,
                             device=trainer.strategy.root_device)
-        rows = trainer.strategy.all_gather(mine).reshape(-1, mine.numel()).cpu()  # one small tensor, rank order
+        rows = trainer.strategy.all_gather(mine, group=dist.group.WORLD).reshape(-1, mine.numel()).cpu()  # one small tensor, rank order
         stages = pipe.layout.pipe_size
         pooled = torch.zeros(stages, mine.numel(), dtype=torch.float64)
         for rank, row in enumerate(rows):
@@ -188,12 +192,12 @@ class PipelineMonitor(Callback):
                     for s in r.spans]
         device = trainer.strategy.root_device
         mine = torch.tensor(encoded, dtype=torch.float64, device=device).reshape(-1, 5)
-        counts = trainer.strategy.all_gather(torch.tensor([len(encoded)], device=device)).reshape(-1).tolist()
+        counts = trainer.strategy.all_gather(torch.tensor([len(encoded)], device=device), group=dist.group.WORLD).reshape(-1).tolist()
         if max(counts) == 0:  # every rank sees the same counts, so every rank skips the gather
             return {}
         padded = torch.zeros(max(counts), 5, dtype=torch.float64, device=device)
         padded[:len(encoded)] = mine
-        gathered = trainer.strategy.all_gather(padded).reshape(len(counts), -1, 5).cpu()
+        gathered = trainer.strategy.all_gather(padded, group=dist.group.WORLD).reshape(len(counts), -1, 5).cpu()
         layout = self._pipe(trainer).layout
         rows: dict[tuple[int, int], list[StepRecord]] = {}
         for rank, (count, block) in enumerate(zip(counts, gathered)):

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe import microbatch
 from lightning_gpipe.comm import Channels, Message
+from lightning_gpipe.replicas import GradientSync
 from lightning_gpipe.rng import isolated_rng, layer_seed, seed_layer
 from lightning_gpipe.schedule import checkpointed, fill_drain
 from lightning_gpipe.timer import Tracer, span
@@ -89,6 +90,7 @@ class StageRunner:
         self.layers, self.stage, self.ranks = layers, stage, ranks
         self.channels, self.chunks, self.checkpoint = channels, chunks, checkpoint
         self.device, self.seed = device, seed
+        self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
         self.eval_calls = 0
         self.tracer: Optional[Tracer] = None
@@ -219,6 +221,8 @@ class StageRunner:
             g: tuple[Optional[Tensor], ...] = ()
             if run.out_grad[i]:
                 g = last_grads[i] if self.is_last else self._recv(self.ranks[self.stage + 1], i).values
+            if i == 0 and self.grad_sync is not None:  # the last backward: gradients become final in it
+                self.grad_sync.arm()
             with self._span("backward", i):
                 pairs = [(o, d) for o, d in zip(y or (), g) if d is not None and o.requires_grad]
                 if pairs:

@@ -80,6 +80,8 @@ def _resumable_class(base: type) -> type:
             pending, self._pending = self._pending, None
             sampler = self.batch_sampler.sampler
             if pending is not None:
+                if pending.get("sampler_seed") is not None:  # a DistributedSampler shuffles from its own seed
+                    sampler.inner.seed = pending["sampler_seed"]
                 complete = pending["consumed"] >= pending["length"]
                 # an unfinished epoch draws its order again from where it started; a finished one goes on
                 self._random.set(pending["random_now" if complete else "random_at_epoch_start"])
@@ -92,7 +94,8 @@ def _resumable_class(base: type) -> type:
         def position(self) -> dict[str, Any]:
             """Where training stands in the epoch, and the random states to replay it from."""
             return {"consumed": self._consumed(), "length": len(self),
-                    "random_at_epoch_start": self._epoch_state, "random_now": self._random.get()}
+                    "random_at_epoch_start": self._epoch_state, "random_now": self._random.get(),
+                    "sampler_seed": getattr(self.batch_sampler.sampler.inner, "seed", None)}
 
         def restore(self, position: dict[str, Any]) -> None:
             """Start the next epoch where :meth:`position` stood (once)."""

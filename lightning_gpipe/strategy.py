@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -27,7 +28,8 @@ from lightning_gpipe.checkpoint import atomic_write, is_sharded, load_sharded, s
 from lightning_gpipe._lightning import init_process_group, optimizers_to_device, silence_not_resumable_warning
 from lightning_gpipe.failure import FailureBoard, exit_without_finalizers
 from lightning_gpipe.partition import balance_by_params, validate_balance
-from lightning_gpipe.pipe import GPipe
+from lightning_gpipe.pipe import GPipe, make_mesh
+from lightning_gpipe.replicas import broadcast_from_first_replica
 from lightning_gpipe.resumable import RandomState, resumable
 from lightning_gpipe.schedule import CHECKPOINT_MODES
 from lightning_gpipe.summary import use_pipeline_summaries
@@ -115,6 +117,7 @@ class GPipeStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._process_group_timeout = process_group_timeout
         self.pipe: Optional[GPipe] = None
+        self._mesh: Optional[Any] = None  # the (dp, pp) DeviceMesh
         self._board: Optional[FailureBoard] = None
         self._failed = False
         self._full_names: list[str] = []  # the model's parameter names in order, before partitioning
@@ -122,6 +125,7 @@ class GPipeStrategy(ParallelStrategy):
         self._loaders: list[Any] = []  # the resumable training loaders handed to the loop
         self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
         self._batch_idx = -1
+        self._replicated: list[nn.Parameter] = []  # parameters outside the backbone, held by every rank
 
     # -- processes and ranks ---------------------------------------------------------------------------
 
@@ -182,6 +186,8 @@ class GPipeStrategy(ParallelStrategy):
         if self.world_size > 1:  # pipeline-1 needs no process group
             backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
             init_process_group(self.cluster_environment, backend, self.root_device, self._process_group_timeout)
+        if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
+            self._mesh = make_mesh(self.layout, self.root_device)
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
         self._failed = False
         if self.world_size > 1:
@@ -233,7 +239,7 @@ class GPipeStrategy(ParallelStrategy):
             balance = validate_balance(self.balance, len(sequential), layout.pipe_size)
         self._full_names = [n for n, _ in module.named_parameters()]
         pipe = GPipe(sequential, balance, chunks=self.chunks, checkpoint=self.checkpoint, layout=layout,
-                     device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board)
+                     device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board, mesh=self._mesh)
         setattr(owner, name, pipe)
         return pipe
 
@@ -274,12 +280,16 @@ class GPipeStrategy(ParallelStrategy):
         ``RandomSampler`` (which draws from it) orders the data alike on every stage.
         """
         pipe = self.pipe
-        assert pipe is not None and self.lightning_module is not None
+        module = self.lightning_module
+        assert pipe is not None and module is not None
+        backbone = {id(t) for t in [*pipe.parameters(), *pipe.buffers()]}
+        self._replicated = [p for p in module.parameters() if id(p) not in backbone]
+        # replicas of a stage start equal, as under DDP: the first replica's weights everywhere
+        broadcast_from_first_replica([*module.parameters(), *module.buffers()], pipe.replica_group)
         if pipe.group is None:
             return
-        backbone = {id(t) for t in [*pipe.parameters(), *pipe.buffers()]}
         with torch.no_grad():
-            for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
+            for tensor in [*module.parameters(), *module.buffers()]:
                 if id(tensor) not in backbone:
                     dist.broadcast(tensor.data, src=pipe.ranks[0], group=pipe.group)
         torch.set_rng_state(pipe.broadcast(torch.get_rng_state()))
@@ -301,13 +311,31 @@ class GPipeStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @property
+    def replica_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's stage in every pipeline (DeviceMesh dim ``dp``): the group to reduce metrics over.
+
+        ``None`` with one pipeline. Pass it to torchmetrics as ``process_group`` so that metric states
+        are not counted once per stage.
+        """
+        if self._mesh is None or self.layout.num_replicas == 1:
+            return None
+        return self._mesh.get_group("dp")
+
+    def _replicas_only(self, group: Optional[Any]) -> bool:
+        # the default group of reduce and all_gather is the replicas of this stage: the stages of one
+        # pipeline hold the same values, and counting them once per stage would be wrong for a sum
+        return group is None and self.replica_group is None
+
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        """Reduce over all processes. The stages of a pipeline hold equal values, so a mean over all equals the
-        mean over the data-parallel replicas; a sum counts every replica once per stage."""
+        """Reduce over the data-parallel replicas (by default): every stage gets the same result."""
         if not isinstance(tensor, Tensor) or not (dist.is_available() and dist.is_initialized()):
             return tensor
+        if self._replicas_only(group):
+            return tensor.clone()
+        group = group if group is not None else self.replica_group
         op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
         mean = op in (None, "mean", "avg")
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -317,6 +345,45 @@ class GPipeStrategy(ParallelStrategy):
         if mean:
             tensor = tensor / dist.get_world_size(group)
         return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather from the data-parallel replicas (by default), stacked in replica order."""
+        if self._replicas_only(group) or not (dist.is_available() and dist.is_initialized()):
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group=group if group is not None else self.replica_group,
+                                  sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Decided over every rank (stopping, say): the stages of a pipeline must go on or stop together."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    # -- gradients -------------------------------------------------------------------------------------
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Average gradients over the data-parallel replicas (a no-op with one pipeline)."""
+        if self.pipe is not None:
+            self.pipe.sync_gradients(self._replicated)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient averaging while Lightning accumulates gradients over several batches."""
+        sync = self.pipe.runner.grad_sync if self.pipe is not None else None
+        if sync is None:
+            yield None
+            return
+        sync.enabled = False
+        try:
+            yield None
+        finally:
+            sync.enabled = True
 
     # -- data ------------------------------------------------------------------------------------------
 

@@ -36,9 +36,9 @@ class Net(L.LightningModule):
     """A backbone Sequential and a small head outside it; records what the tests compare."""
 
     def __init__(self, optimizer: str = "sgd", dropout: float = 0.0, head_dropout: float = 0.0, stem: bool = False,
-                 scheduler: bool = False):
+                 scheduler: bool = False, sync_dist: bool = False):
         super().__init__()
-        self.optimizer_name, self.scheduler = optimizer, scheduler
+        self.optimizer_name, self.scheduler, self.sync_dist = optimizer, scheduler, sync_dist
         self.stem = nn.Linear(FEATURES, FEATURES) if stem else None
         self.backbone = mlp(dropout)
         self.head = nn.Sequential(nn.Dropout(head_dropout), nn.Linear(8, CLASSES))
@@ -54,7 +54,7 @@ class Net(L.LightningModule):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.losses.append(loss.item())
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.sync_dist)
         return loss
 
     def validation_step(self, batch, batch_idx):
