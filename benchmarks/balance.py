@@ -63,19 +63,19 @@ class Net(L.LightningModule):
 
 
 class StageClock(L.Callback):
-    """Per step: the wall time, and this stage's compute time from the engine's tracer; gathered at the end."""
+    """Per step: the wall time; per stage: compute and wait time from the engine's tracer, gathered at the end."""
 
     def __init__(self) -> None:
         self.steps: list[float] = []
-        self.busy = 0.0
+        self.busy = {"compute": 0.0, "wait": 0.0}
         self.balance: list[int] = []
-        self.result: list[Any] = []
+        self.stages: list[dict[str, float]] = []
         self._measuring = False
         self._start = 0.0
 
     def _trace(self, kind: str, micro: int, start: float, end: float) -> None:
-        if self._measuring and kind != "wait":
-            self.busy += end - start
+        if self._measuring:
+            self.busy["wait" if kind == "wait" else "compute"] += end - start
 
     def on_train_start(self, trainer, pl_module) -> None:
         pipe = trainer.strategy.pipe
@@ -91,9 +91,9 @@ class StageClock(L.Callback):
             self.steps.append(time.perf_counter() - self._start)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.busy / max(len(self.steps), 1))
-        self.result = gathered
+        per_step = {k: v / max(len(self.steps), 1) for k, v in self.busy.items()}
+        self.stages = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(self.stages, per_step)
 
 
 def run(balance: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -109,64 +109,73 @@ def run(balance: Any, args: argparse.Namespace) -> dict[str, Any]:
                         enable_model_summary=False, callbacks=[clock])
     trainer.fit(Net(), DataLoader(data, batch_size=args.batch_size))
     costs = strategy.layer_costs
-    return {"balance": clock.balance, "steps": clock.steps, "stage_seconds": clock.result,
+    return {"balance": clock.balance, "step_seconds": statistics.median(clock.steps), "stages": clock.stages,
             "layer_seconds": costs.time if costs is not None else None}
+
+
+def ratio(values: list[float]) -> float:
+    """max/mean: 1.0 when every stage costs the same."""
+    return max(values) / statistics.mean(values)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="measured steps per split and round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "balance.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per stage
+    load_before = os.getloadavg()[0]
     layers = len(backbone())
     splits: dict[str, Any] = {"uniform": [(layers + 1) // 2, layers // 2], "params": "params", "time": "time"}
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in splits}
     names = list(splits)
-    for round_ in range(args.rounds):
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for round_ in range(args.rounds):  # rotate the order, so that drift in the machine's load hits every split
         for name in names[round_ % 3:] + names[:round_ % 3]:
             runs[name].append(run(splits[name], args))
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) != 0:
         return
-    profile = next(r["layer_seconds"] for r in runs["time"])  # the time profile of the first "time" run
-    params = [float(sum(p.numel() for p in layer.parameters())) for layer in backbone()]
+    profile = runs["time"][0]["layer_seconds"]  # what the first balance="time" run measured
     model = backbone()
-    convs = [t for t, m in zip(profile, model) if isinstance(m, nn.Conv2d) and m.in_channels == m.out_channels]
-    wide = [t for t, m in zip(profile, model) if isinstance(m, nn.Linear) and m.out_features == m.in_features]
+    params = [float(sum(p.numel() for p in layer.parameters())) for layer in model]
     rows = []
     for name in names:
         balances = sorted({tuple(r["balance"]) for r in runs[name]})
-        stage = [statistics.mean(r["stage_seconds"][s] for r in runs[name]) for s in range(2)]
-        predicted = [max(stage_costs(profile, b)) / statistics.mean(stage_costs(profile, b)) for b in balances]
+        compute = [statistics.mean(r["stages"][s]["compute"] for r in runs[name]) for s in range(2)]
         rows.append({
             "split": name, "balance": [list(b) for b in balances],
             "stage_params": [stage_costs(params, b) for b in balances],
-            "step_seconds": statistics.median(s for r in runs[name] for s in r["steps"]),
-            "stage_seconds": stage, "max_mean_measured": max(stage) / statistics.mean(stage),
-            "max_mean_predicted": predicted,
+            "step_seconds": statistics.median(r["step_seconds"] for r in runs[name]),
+            "speedup_vs_uniform": statistics.median(u["step_seconds"] / r["step_seconds"]
+                                                    for u, r in zip(runs["uniform"], runs[name])),
+            "stage_compute_seconds": compute,
+            "stage_wait_seconds": [statistics.mean(r["stages"][s]["wait"] for r in runs[name]) for s in range(2)],
+            "max_mean_measured": ratio(compute),
+            "max_mean_predicted": [ratio(stage_costs(profile, b)) for b in balances],
+            "runs": runs[name],
         })
-    uniform = rows[0]["step_seconds"]
-    conv, linear = statistics.median(convs), statistics.median(wide)
-    print(f"\nBackbone: {layers} layers. Forward + backward of one micro-batch of {args.batch_size // args.chunks}: "
-          f"a 48-channel 3x3 convolution (21K parameters) {conv * 1e3:.2f} ms, a Linear(768, 768) (590K parameters) "
-          f"{linear * 1e3:.2f} ms: x{conv / linear:.1f} the time for 1/28 of the parameters. K=2, chunks={args.chunks}, "
-          f"batch {args.batch_size}, {args.steps} steps x {args.rounds} rounds per split.\n")
-    print("| split | balance | params per stage | step time (s) | speed-up vs uniform | stage time max/mean "
+    conv = statistics.median(t for t, m in zip(profile, model) if isinstance(m, nn.Conv2d) and m.in_channels == 48)
+    linear = statistics.median(t for t, m in zip(profile, model) if isinstance(m, nn.Linear) and m.out_features == 768)
+    print(f"\nBackbone: {layers} layers. Forward + backward of a micro-batch of {args.batch_size // args.chunks}: "
+          f"Conv2d(48, 48, 3) on 32x32 (21K parameters) {conv * 1e3:.2f} ms, Linear(768, 768) (590K parameters) "
+          f"{linear * 1e3:.2f} ms (x{conv / linear:.1f}).\nK=2, chunks={args.chunks}, batch {args.batch_size}, "
+          f"{args.steps} steps x {args.rounds} rounds per split; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after (2 cores).\n")
+    print("| split | balance | parameters per stage | step time (s) | speed-up vs uniform | stage compute max/mean "
           "(measured) | max/mean (predicted) |")
     print("|---|---|---|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['split']} | {' or '.join(map(str, row['balance']))} | "
-              f"{' or '.join(str([f'{int(p):,}' for p in s]).replace(chr(39), '') for s in row['stage_params'])} | "
-              f"{row['step_seconds']:.3f} | {uniform / row['step_seconds']:.2f} | {row['max_mean_measured']:.2f} | "
+              f"{' or '.join('[' + ', '.join(f'{int(p):,}' for p in s) + ']' for s in row['stage_params'])} | "
+              f"{row['step_seconds']:.3f} | {row['speedup_vs_uniform']:.2f} | {row['max_mean_measured']:.2f} | "
               f"{' or '.join(f'{p:.2f}' for p in row['max_mean_predicted'])} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "layer_seconds": profile, "layer_params": params, "conv_seconds": conv,
-                   "linear_seconds": linear, "rows": rows}, f, indent=1)
+        json.dump({"args": vars(args), "load_average": [load_before, os.getloadavg()[0]], "layer_seconds": profile,
+                   "layer_params": params, "rows": rows}, f, indent=1)
     print(f"\nwrote {args.out}")
 
 

@@ -58,7 +58,7 @@ class LayerCosts:
 
 
 def state_bytes(layer: nn.Module, optimizer_states: float = 2.0) -> int:
-    """Bytes of a layer's parameters and buffers, plus a gradient and ``optimizer_states`` state tensors per trainable parameter.
+    """Bytes of a layer's parameters and buffers, and of a gradient and ``optimizer_states`` states per trainable one.
 
     The optimizer does not exist yet when the split is chosen (Lightning builds it for the local
     stage only), so its state is assumed: 2 tensors the size of each parameter is Adam and AdamW

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -38,7 +39,8 @@ def test_the_chosen_split_is_logged_on_rank_0_as_a_table(pipeline_runs):
     log = "\n".join(first["time"]["log"])
     assert ("Profiled `backbone` layer by layer on cpu with a micro-batch of 4 samples from the first batch of "
             "the train dataloader") in log
-    assert "GPipe split of `backbone` into 2 stages by balance='time':\n| stage | layers | params | time | memory |" in log
+    assert "GPipe split of `backbone` into 2 stages by balance='time':\n| stage | layers | params | time | memory |" \
+        in log
     rows = re.findall(r"^\| (\d) \| (\d+)(?:-(\d+))? \| ([\d,]+) \| ([\d.]+)% \| ([\d.]+)% \|$", log, re.MULTILINE)
     assert [int(r[0]) for r in rows] == [0, 1]
     sizes = [int(r[2] or r[1]) - int(r[1]) + 1 for r in rows]
@@ -54,6 +56,18 @@ def test_a_layer_that_fails_during_profiling_is_named_on_every_rank(pipeline_run
         message = rank_results["measured balance"]["failing layer"]
         assert message.startswith("RuntimeError: Profiling layer 3 (Broken) of the backbone failed with RuntimeError: "
                                   "this layer is broken"), message
+
+
+@contextlib.contextmanager
+def lightning_log(caplog):
+    """Collect Lightning's INFO messages (its logger does not propagate to the root logger that caplog watches)."""
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            yield
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 class Manual(M.Net):
@@ -86,12 +100,8 @@ def test_example_input_array_is_the_sample_when_the_step_cannot_give_one(caplog)
     model.example_input_array = torch.randn(8, M.FEATURES)
     strategy = GPipeStrategy(balance="memory")
     trainer = L.Trainer(strategy=strategy, devices=1, **M.trainer_kwargs(max_steps=1))
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        logging.getLogger("lightning.pytorch").addHandler(caplog.handler)
-        try:
-            trainer.fit(model, M.loader())
-        finally:
-            logging.getLogger("lightning.pytorch").removeHandler(caplog.handler)
+    with lightning_log(caplog):
+        trainer.fit(model, M.loader())
     assert "with a micro-batch of 2 samples from `example_input_array`" in caplog.text
     assert strategy.layer_costs is not None
     assert strategy.layer_costs.activation_bytes[0] == 2 * M.FEATURES * 4  # the first Linear saves its input
@@ -99,12 +109,21 @@ def test_example_input_array_is_the_sample_when_the_step_cannot_give_one(caplog)
 
 def test_balance_params_logs_the_split_without_measuring(caplog):
     trainer = L.Trainer(strategy=GPipeStrategy(), devices=1, **M.trainer_kwargs(max_steps=1))
-    logging.getLogger("lightning.pytorch").addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-            trainer.fit(M.Net(), M.loader())
-    finally:
-        logging.getLogger("lightning.pytorch").removeHandler(caplog.handler)
+    with lightning_log(caplog):
+        trainer.fit(M.Net(), M.loader())
     assert "into 1 stage by balance='params':" in caplog.text
     assert "| 0 | 0-6 | 924 | n/a | n/a |" in caplog.text
     assert trainer.strategy.layer_costs is None
+
+
+def test_predict_profiles_on_the_predict_dataloader_through_predict_step(caplog):
+    model = M.Net()
+    strategy = GPipeStrategy(balance="time", chunks=2)
+    trainer = L.Trainer(strategy=strategy, devices=1, **M.trainer_kwargs())
+    with lightning_log(caplog):
+        predictions = trainer.predict(model, M.loader(batch_size=10, shuffle=False))
+    assert "a micro-batch of 5 samples from the first batch of the predict dataloader" in caplog.text
+    assert len(strategy.layer_costs.time) == 7
+    with torch.no_grad():
+        expected = torch.cat([model(x) for x, _ in M.loader(batch_size=10, shuffle=False)])
+    torch.testing.assert_close(torch.cat(predictions), expected, atol=1e-6, rtol=0)
