@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+import lightning.pytorch as pl
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -16,7 +18,6 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 
-import lightning.pytorch as pl
 from lightning_gpipe.microbatch import batch_size
 from lightning_gpipe.profiling import capture_input, sample_micro_batch
 
@@ -37,8 +38,12 @@ optimizers_to_device = _optimizers_to_device
 
 @contextmanager
 def preserved_rng() -> Iterator[None]:
-    """Put the torch, CUDA, numpy and Python random states back as they were after the block."""
-    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    """Put the torch CPU, numpy and Python random states back as they were after the block.
+
+    Not CUDA's: collecting it would create a context on every GPU of the node; the profiler keeps
+    its own device's generator isolated itself.
+    """
+    states = _collect_rng_states(include_cuda=False)
     try:
         yield
     finally:
