@@ -21,14 +21,18 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_gpipe import clipping, optim_state, state
+from lightning_gpipe._lightning import (
+    backbone_sample, init_process_group, optimizers_to_device, preserved_rng, silence_not_resumable_warning,
+)
 from lightning_gpipe.checkpoint import atomic_write, is_sharded, load_sharded, save_sharded
-from lightning_gpipe._lightning import init_process_group, optimizers_to_device, silence_not_resumable_warning
 from lightning_gpipe.failure import FailureBoard, exit_without_finalizers
-from lightning_gpipe.partition import balance_by_params, validate_balance
+from lightning_gpipe.partition import balance as optimal_balance
+from lightning_gpipe.partition import balance_by_params, parameter_costs, split_table, validate_balance
 from lightning_gpipe.pipe import GPipe, make_mesh
+from lightning_gpipe.profiling import COST_KINDS, LayerCosts, profile_layers
 from lightning_gpipe.replicas import broadcast_from_first_replica
 from lightning_gpipe.resumable import RandomState, resumable
 from lightning_gpipe.schedule import CHECKPOINT_MODES
@@ -49,8 +53,15 @@ class GPipeStrategy(ParallelStrategy):
     steps its own stage plus the layers outside the backbone (which every rank holds, in sync).
 
     Args:
-        balance: layers per stage (one entry per stage), or ``"params"`` (the default): the split that
-            minimizes the largest stage's parameter count.
+        balance: how to split the backbone: layers per stage (one entry per stage), or the cost whose
+            largest stage the split minimizes (exactly, see :func:`lightning_gpipe.balance`):
+            ``"params"`` (the default: parameter count, nothing is run), ``"time"`` (forward plus
+            backward of each layer on the device, median of 5 repeats) or ``"memory"`` (parameter,
+            gradient and Adam-like optimizer-state bytes plus the activations one micro-batch saves).
+            ``"time"`` and ``"memory"`` profile the layers one at a time on global rank 0, on one
+            micro-batch of the first batch of the dataloader (run through ``training_step`` up to the
+            backbone), or of ``example_input_array`` (run through ``forward``) when that fails; the
+            split is broadcast to every rank. The chosen split is logged on rank 0.
         chunks: micro-batches per batch (``M``). Results do not depend on the number of stages; with
             random layers (dropout) they do depend on ``chunks``, which keys the random streams.
         checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``: which micro-batches drop
@@ -75,7 +86,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        balance: Union[Sequence[int], Literal["params"]] = "params",
+        balance: Union[Sequence[int], Literal["params", "time", "memory"]] = "params",
         chunks: int = 4,
         checkpoint: str = "except_last",
         backbone: str = "backbone",
@@ -97,8 +108,9 @@ class GPipeStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        if isinstance(balance, str) and balance != "params":
-            raise ValueError(f"`balance` must be a list of layers per stage or 'params', got {balance!r}.")
+        if isinstance(balance, str) and balance not in COST_KINDS:
+            raise ValueError(f"`balance` must be a list of layers per stage or 'params', 'time' or 'memory', "
+                             f"got {balance!r}.")
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"`chunks` must be a positive integer (micro-batches per batch), got {chunks!r}.")
         if checkpoint not in CHECKPOINT_MODES:
@@ -118,6 +130,7 @@ class GPipeStrategy(ParallelStrategy):
         self._process_group_timeout = process_group_timeout
         self.pipe: Optional[GPipe] = None
         self._mesh: Optional[Any] = None  # the (dp, pp) DeviceMesh
+        self.layer_costs: Optional[LayerCosts] = None  # what balance="time" or "memory" measured, per layer
         self._board: Optional[FailureBoard] = None
         self._failed = False
         self._full_names: list[str] = []  # the model's parameter names in order, before partitioning
@@ -233,15 +246,49 @@ class GPipeStrategy(ParallelStrategy):
                 f"The pipeline has {layout.pipe_size} stages but `{self.backbone}` has only {len(sequential)} layers; "
                 f"every stage needs at least one layer. Use at most {len(sequential)} devices per pipeline."
             )
-        if self.balance == "params":
-            balance = balance_by_params(sequential, layout.pipe_size)
-        else:
-            balance = validate_balance(self.balance, len(sequential), layout.pipe_size)
+        balance = self._choose_balance(sequential, layout.pipe_size)
         self._full_names = [n for n, _ in module.named_parameters()]
         pipe = GPipe(sequential, balance, chunks=self.chunks, checkpoint=self.checkpoint, layout=layout,
                      device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board, mesh=self._mesh)
         setattr(owner, name, pipe)
         return pipe
+
+    def _choose_balance(self, sequential: nn.Sequential, stages: int) -> list[int]:
+        """The split: given, by parameter count, or by costs that rank 0 measures and broadcasts; logged."""
+        self.layer_costs = None
+        if not isinstance(self.balance, str):
+            balance = validate_balance(self.balance, len(sequential), stages)
+        elif self.balance == "params":
+            balance = balance_by_params(sequential, stages)
+        else:
+            self.layer_costs = self._measure_costs(sequential)
+            balance = optimal_balance(self.layer_costs.of(self.balance), stages)
+        costs = self.layer_costs
+        rank_zero_info(f"GPipe split of `{self.backbone}` into {stages} stage{'s' * (stages > 1)} by "
+                       f"balance={self.balance!r}:\n"
+                       + split_table(balance, parameter_costs(sequential), costs and costs.time, costs and costs.memory)
+                       + ("" if costs else "\n(time and memory are measured with balance='time' or 'memory')"))
+        return balance
+
+    def _measure_costs(self, sequential: nn.Sequential) -> LayerCosts:
+        """Profile on global rank 0 only and broadcast, so that every rank builds the same split."""
+        outcome: Any = None
+        if self.global_rank == 0:
+            try:
+                with preserved_rng():
+                    sample, where = backbone_sample(self.lightning_module, sequential, self.backbone, self.chunks)
+                    outcome = profile_layers(sequential, sample, self.root_device,
+                                             context=self.precision_plugin.forward_context)
+                rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
+            except Exception as error:
+                outcome = error
+        shared = self.broadcast(outcome if not isinstance(outcome, Exception) else
+                                (type(outcome).__name__, str(outcome)), src=0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        if isinstance(shared, tuple):  # rank 0 failed: fail alike, with its message
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(shared[0], RuntimeError)(shared[1])
+        return shared
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
