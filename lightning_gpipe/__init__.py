@@ -9,10 +9,14 @@ from lightning_gpipe.engine import is_recomputing
 from lightning_gpipe.failure import PipelineError
 from lightning_gpipe.partition import balance
 from lightning_gpipe.pipe import GPipe
+from lightning_gpipe.profiling import LayerCosts, profile_layers
+from lightning_gpipe.timer import StageTimer
 from lightning_gpipe.topology import PipeLayout
 
-__all__ = ["DeferredBatchNorm", "GPipe", "GPipeStrategy", "PipeLayout", "PipelineError", "balance", "is_recomputing",
-           "__version__"]
+__all__ = [
+    "DeferredBatchNorm", "GPipe", "GPipeStrategy", "LayerCosts", "PipeLayout", "PipelineError", "PipelineMonitor",
+    "StageTimer", "balance", "is_recomputing", "profile_layers", "__version__",
+]
 
 __version__ = "0.1.0"
 
@@ -21,6 +25,7 @@ try:
 except ImportError:  # plain PyTorch use of the engine
     pass
 else:
+    from lightning_gpipe.callbacks import PipelineMonitor
     from lightning_gpipe.strategy import GPipeStrategy
 
     # Lightning has no entry point for strategies: importing this package is what makes "gpipe" known.

@@ -1,15 +1,30 @@
-"""The few private Lightning helpers this package uses, in one place, so that an upgrade breaks here only."""
+"""Lightning-side helpers: the few private Lightning accesses, in one place, so that an upgrade breaks here only."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import CombinedLoader
+from torch import nn
 
-__all__ = ["init_process_group", "optimizers_to_device"]
+from lightning_gpipe.microbatch import batch_size
+from lightning_gpipe.profiling import capture_input, sample_micro_batch
+
+__all__ = [
+    "backbone_sample", "first_batch", "init_process_group", "log_to_loggers", "optimizers_to_device",
+    "preserved_rng", "should_update_logs", "silence_not_resumable_warning",
+]
 
 
 def init_process_group(environment: ClusterEnvironment, backend: str, device: torch.device,
@@ -22,3 +37,125 @@ def init_process_group(environment: ClusterEnvironment, backend: str, device: to
 
 
 optimizers_to_device = _optimizers_to_device
+
+
+def silence_not_resumable_warning() -> None:
+    """Drop Lightning's warning that a plain DataLoader cannot resume mid-epoch: the strategy resumes it.
+
+    Lightning warns when the loader lacks its stateful-loader protocol, which this package does not use
+    (see ``resumable.py``), so the warning is matched by its text.
+    """
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended",
+                            category=PossibleUserWarning)
+
+
+def should_update_logs(trainer: "pl.Trainer") -> bool:
+    """Whether Lightning writes step metrics to the loggers after this batch.
+
+    Lightning has no public accessor; its own monitors (LearningRateMonitor, DeviceStatsMonitor,
+    ThroughputMonitor) read this same private property. It depends only on the loop's progress, so
+    every rank gets the same answer, which makes it safe to gate a collective on it.
+    """
+    return trainer._logger_connector.should_update_logs
+
+
+def log_to_loggers(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
+    """Send ``metrics`` to every logger at the current training step, with the ``epoch`` key that Lightning adds.
+
+    This is the path Lightning's ThroughputMonitor takes. ``LightningModule.log`` costs about half a
+    millisecond per key (it builds a result-collection entry), which for tens of per-stage keys would
+    cost more than the measurement; the loggers themselves write on rank 0 only.
+    """
+    trainer._logger_connector.log_metrics(metrics)  # type: ignore[arg-type]
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Put the torch CPU, numpy and Python random states back as they were after the block.
+
+    Not CUDA's: collecting it would create a context on every GPU of the node; the profiler keeps
+    its own device's generator isolated itself.
+    """
+    states = _collect_rng_states(include_cuda=False)
+    try:
+        yield
+    finally:
+        _set_rng_states(states)
+
+
+def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
+    """The first batch of the running stage's dataloader, the step that takes it, and the loader's name.
+
+    Lightning attaches the dataloaders (from ``fit(model, loader)``, a datamodule or the module's
+    hooks) to its loops before ``Strategy.setup`` but requests them only later, and it has no
+    public accessor for them: the loops' ``_data_source`` is the one way (Lightning's own
+    DeepSpeedStrategy reads it in its setup too). ``None`` if there is no dataloader or it is empty.
+    """
+    loops = {
+        TrainerFn.FITTING: (trainer.fit_loop, "training_step", "train"),
+        TrainerFn.VALIDATING: (trainer.validate_loop, "validation_step", "val"),
+        TrainerFn.TESTING: (trainer.test_loop, "test_step", "test"),
+        TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step", "predict"),
+    }
+    if trainer.state.fn not in loops:
+        return None
+    loop, step, name = loops[trainer.state.fn]
+    source = loop._data_source
+    if not source.is_defined():
+        return None
+    loaders = source.dataloader()
+    if loaders is None:
+        return None
+    mode = "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, mode)
+    try:
+        batch, _, _ = next(iter(combined))
+    except StopIteration:
+        return None
+    return batch, step, f"{name} dataloader"
+
+
+def backbone_sample(module: "pl.LightningModule", backbone: nn.Module, name: str, chunks: int) -> tuple[Any, str]:
+    """One micro-batch of what ``module`` feeds its ``backbone`` (the attribute ``name``), and where it came from.
+
+    First choice: the first batch of the running stage's dataloader, run through the batch-transfer
+    hooks and the stage's step (``training_step`` when fitting) until the step calls the backbone.
+    Second: ``example_input_array``, run through ``forward``. Nothing after the backbone's input
+    runs; see :func:`lightning_gpipe.profiling.capture_input`. Raises ``ValueError`` if neither works.
+    """
+    tried = []
+    found = first_batch(module.trainer)
+    if found is None:
+        tried.append("the running stage has no dataloader, or it is empty")
+    else:
+        batch, step, loader = found
+        batch = module.on_after_batch_transfer(module.on_before_batch_transfer(batch, 0), 0)
+        try:
+            x = capture_input(backbone, lambda: getattr(module, step)(batch, 0), owner=module)
+            return _described(sample_micro_batch(x, chunks), f"the first batch of the {loader}")
+        except Exception as error:
+            tried.append(f"`{step}` on the first batch of the {loader} did not call `self.{name}` "
+                         f"({type(error).__name__}: {error})")
+    example = module.example_input_array
+    if example is None:
+        tried.append(f"`{type(module).__name__}.example_input_array` is not set")
+    else:
+        def forward() -> Any:  # the way Lightning's ModelSummary feeds it
+            if isinstance(example, (list, tuple)):
+                return module(*example)
+            return module(**example) if isinstance(example, dict) else module(example)
+
+        try:
+            x = capture_input(backbone, forward, owner=module)
+            return _described(sample_micro_batch(x, chunks), "`example_input_array`")
+        except Exception as error:
+            tried.append(f"`forward(example_input_array)` did not call `self.{name}` ({type(error).__name__}: {error})")
+    raise ValueError(
+        "Profiling the backbone (balance='time' or 'memory') needs a sample micro-batch, but none could be taken: "
+        + "; ".join(tried) + ". Set `self.example_input_array` to an input of `forward` that calls the backbone, "
+        "or use balance='params' or an explicit list."
+    )
+
+
+def _described(sample: Any, origin: str) -> tuple[Any, str]:
+    return sample, f"a micro-batch of {batch_size(sample)} samples from {origin}"

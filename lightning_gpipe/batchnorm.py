@@ -94,6 +94,10 @@ class DeferredBatchNorm(_BatchNorm):
         unbiased = self._m2 / max(count - 1.0, 1.0)
         self.running_mean.lerp_(self._mean.to(self.running_mean.dtype), factor)  # type: ignore[union-attr]
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)  # type: ignore[union-attr]
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget a partial mini-batch."""
         self._micro = 0
         for buffer in (self._count, self._mean, self._m2):
             buffer.zero_()
@@ -108,10 +112,12 @@ class DeferredBatchNorm(_BatchNorm):
         The replacements share the originals' parameters and copy their buffers and training mode.
         BatchNorms without running statistics are left alone: they always normalize by the batch
         they are given and have nothing to defer. Modules are replaced in place; the return value is
-        ``module`` itself unless ``module`` is a BatchNorm.
+        ``module`` itself unless ``module`` is a BatchNorm. A DeferredBatchNorm already there gets the new
+        ``chunks`` and forgets any partial mini-batch (from a forward outside the pipeline, say).
         """
         if isinstance(module, cls):
             module.chunks = chunks
+            module._reset()
             return module
         if isinstance(module, _BatchNorm) and module.track_running_stats:
             return cls._from_batch_norm(module, chunks)  # type: ignore[return-value]

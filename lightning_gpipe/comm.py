@@ -83,8 +83,8 @@ def decode(header: Tensor) -> Optional[list[tuple[Optional[torch.dtype], bool, t
 class Link:
     """The sending end of one directed pair: non-blocking sends that are waited for at :meth:`flush`."""
 
-    def __init__(self, group: dist.ProcessGroup, dst: int) -> None:
-        self.group, self.dst = group, dst
+    def __init__(self, group: dist.ProcessGroup, dst: int, name: str) -> None:
+        self.group, self.dst, self.name = group, dst, name
         self._pending: list[tuple[dist.Work, Tensor]] = []
 
     def send(self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool = True) -> None:
@@ -99,8 +99,11 @@ class Link:
 
     def flush(self) -> None:
         """Wait until everything sent so far has been received."""
-        for work, _ in self._pending:
-            work.wait()
+        try:
+            for work, _ in self._pending:
+                work.wait()
+        except RuntimeError as error:  # the transport's error says which address failed, not which stage
+            raise PipelineError(f"Lost the connection to {self.name}: {error}") from error
         self._pending.clear()
 
     def close(self) -> None:
@@ -152,7 +155,7 @@ class Inbox:
             try:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
-                self.board.raise_if_failed(every=0.25)
+                self.board.raise_if_failed()
                 if time.monotonic() - start > self.timeout:
                     raise PipelineError(
                         f"No message from {self.name} for {self.timeout:.0f}s; it is hung or gone. "
@@ -163,8 +166,8 @@ class Inbox:
                 return item
             if item is None:
                 raise PipelineError(f"{self.name} closed its link while this stage still expected a message.")
-            self.board.raise_if_failed()  # prefer the peer's own account of its failure
-            raise PipelineError(f"Lost the connection to {self.name}: {item}") from item  # type: ignore[misc]
+            account = self.board.wait_for_failure(1.0)  # prefer the peer's own account of its failure
+            raise PipelineError(account or f"Lost the connection to {self.name}: {item}") from item  # type: ignore
 
     def join(self, timeout: float) -> None:
         """Wait for the close message that ends the thread."""
@@ -194,7 +197,7 @@ class Channels:
         for src, dst in sorted(pairs):  # every rank creates every group, in the same order
             group = dist.new_group([src, dst], backend=backend, timeout=_FOREVER)
             if rank == src:
-                self.links[dst] = Link(group, dst)
+                self.links[dst] = Link(group, dst, f"stage {layout.stage_of(dst)} (rank {dst})")
             if rank == dst:
                 stage = layout.stage_of(src)
                 self.inboxes[src] = Inbox(group, src, device, f"stage {stage} (rank {src})", board, timeout)

@@ -9,27 +9,25 @@ gradient sent to the previous stage. Parameter gradients build up in place, as i
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_gpipe import microbatch
 from lightning_gpipe.comm import Channels, Message
+from lightning_gpipe.replicas import GradientSync
 from lightning_gpipe.rng import isolated_rng, layer_seed, seed_layer
 from lightning_gpipe.schedule import checkpointed, fill_drain
+from lightning_gpipe.timer import Tracer, span
 
 __all__ = ["StageRunner", "Tracer", "is_recomputing"]
 
-#: ``tracer(kind, micro, start, end)``: called after each task with ``time.perf_counter`` stamps;
-#: kinds are "forward", "recompute", "backward" and "wait" (for a message).
-Tracer = Callable[[str, int, float, float], None]
-
 _local = threading.local()
+_EVAL_CALLS = 1 << 62  # evaluation calls key their random streams from here on
 
 
 def is_recomputing() -> bool:
@@ -94,9 +92,14 @@ class StageRunner:
         self.layers, self.stage, self.ranks = layers, stage, ranks
         self.channels, self.chunks, self.checkpoint = channels, chunks, checkpoint
         self.device, self.seed = device, seed
-        self.calls = 0
+        self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
+        self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
+        self.eval_calls = 0
         self.tracer: Optional[Tracer] = None
         self._modules = nn.ModuleList(m for _, m in layers)
+
+    def _span(self, kind: str, micro: int = -1) -> AbstractContextManager[None]:
+        return span(self.tracer, kind, micro)
 
     @property
     def is_first(self) -> bool:
@@ -108,10 +111,13 @@ class StageRunner:
 
     def __call__(self, batch: Any) -> microbatch.Outputs:
         """The backbone's output for ``batch``, on every rank of the pipeline."""
+        if not torch.is_grad_enabled():
+            # evaluation calls count apart, so that validating does not move the training's random streams
+            call = _EVAL_CALLS + self.eval_calls
+            self.eval_calls += 1
+            return microbatch.from_tuple(*self._fill(batch, call, None))
         call = self.calls
         self.calls += 1
-        if not torch.is_grad_enabled():
-            return microbatch.from_tuple(*self._fill(batch, call, None))
         leaves = microbatch.tensors(batch)
         anchor = torch.empty(0, device=self.device, requires_grad=True)  # see _Bridge
         box: dict[str, bool] = {}
@@ -136,11 +142,8 @@ class StageRunner:
             ) from None
 
     def _recv(self, src: int, micro: int) -> Message:
-        start = time.perf_counter()
-        message = self.channels.recv(src)  # type: ignore[union-attr]
-        if self.tracer is not None:
-            self.tracer("wait", micro, start, time.perf_counter())
-        return message
+        with self._span("wait", micro):
+            return self.channels.recv(src)  # type: ignore[union-attr]
 
     def _fill(self, batch: Any, call: int, run: Optional[_Run]) -> tuple[tuple[Tensor, ...], bool]:
         """Every micro-batch through this stage, in order; returns the pipeline's output and its tuple-ness."""
@@ -162,11 +165,8 @@ class StageRunner:
                                for v, f in zip(message.values, message.requires_grad))
                 x = microbatch.from_tuple(values, message.is_tuple)  # type: ignore[arg-type]
             keep = train and not checkpointed(self.checkpoint, i, self.chunks)
-            start = time.perf_counter()
-            with torch.set_grad_enabled(keep):
+            with torch.set_grad_enabled(keep), self._span("forward", i):
                 y, is_tuple = self._run_layers(x, call, i)
-            if self.tracer is not None:
-                self.tracer("forward", i, start, time.perf_counter())
             out_flags = [train and t.is_floating_point() and (needs_grad or any(in_flags)) for t in y]
             if run is not None:
                 run.inputs.append(x)
@@ -200,7 +200,8 @@ class StageRunner:
             message = self._recv(self.ranks[-1], -1)
             values, is_tuple = message.values, message.is_tuple  # type: ignore[assignment]
         if self.channels is not None:
-            self.channels.flush()
+            with self._span("wait"):
+                self.channels.flush()
         return values, is_tuple
 
     # -- backward (drain) ----------------------------------------------------------------------------
@@ -222,15 +223,15 @@ class StageRunner:
             g: tuple[Optional[Tensor], ...] = ()
             if run.out_grad[i]:
                 g = last_grads[i] if self.is_last else self._recv(self.ranks[self.stage + 1], i).values
-            start = time.perf_counter()
-            pairs = [(o, d) for o, d in zip(y or (), g) if d is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
-            leaves = microbatch.tensors(run.inputs[i])
-            dx = tuple((t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None
-                       for t in leaves)
-            if self.tracer is not None:
-                self.tracer("backward", i, start, time.perf_counter())
+            if i == 0 and self.grad_sync is not None:  # the last backward: gradients become final in it
+                self.grad_sync.arm()
+            with self._span("backward", i):
+                pairs = [(o, d) for o, d in zip(y or (), g) if d is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
+                leaves = microbatch.tensors(run.inputs[i])
+                dx = tuple((t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None
+                           for t in leaves)
             if not self.is_first and run.in_grad[i]:
                 self.channels.send(self.ranks[self.stage - 1], dx, [False] * len(dx))  # type: ignore[union-attr]
             input_grads[i] = dx
@@ -239,12 +240,9 @@ class StageRunner:
 
     def _recompute(self, run: _Run, i: int) -> tuple[Tensor, ...]:
         """Rebuild micro-batch ``i``'s graph: same input, same random streams, same autocast as the forward."""
-        start = time.perf_counter()
         autocast = torch.autocast(self.device.type, dtype=run.autocast[1], enabled=run.autocast[0])
-        with torch.enable_grad(), autocast, _recomputing(self._modules):
+        with self._span("recompute", i), torch.enable_grad(), autocast, _recomputing(self._modules):
             y, _ = self._run_layers(run.inputs[i], run.call, i)
-        if self.tracer is not None:
-            self.tracer("recompute", i, start, time.perf_counter())
         return y
 
     def _input_grads(self, run: _Run, per_micro: list[tuple[Optional[Tensor], ...]]) -> list[Optional[Tensor]]:
@@ -258,7 +256,8 @@ class StageRunner:
             else:
                 grads = list(self._recv(self.ranks[0], -1).values)
         if self.channels is not None:
-            self.channels.flush()
+            with self._span("wait"):
+                self.channels.flush()
         return grads
 
 
@@ -275,7 +274,8 @@ class _Bridge(torch.autograd.Function):
         kind = runner.device.type
         run = _Run(call, (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)))
         run.input_needs_grad = any(t.requires_grad for t in leaves)
-        values, box["is_tuple"] = runner._fill(batch, call, run)
+        with runner._span("fill"):
+            values, box["is_tuple"] = runner._fill(batch, call, run)
         ctx.runner, ctx.run, ctx.num_leaves = runner, run, len(leaves)
         ctx.set_materialize_grads(False)
         non_float = [v for v in values if not v.is_floating_point()]
@@ -286,5 +286,6 @@ class _Bridge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[Tensor]):
         run, ctx.run = ctx.run, None
-        input_grads = ctx.runner._drain(run, grads) or [None] * ctx.num_leaves
+        with ctx.runner._span("drain"):
+            input_grads = ctx.runner._drain(run, grads) or [None] * ctx.num_leaves
         return (None, None, None, None, None, *input_grads)

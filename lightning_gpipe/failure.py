@@ -1,25 +1,31 @@
 """When one rank fails, every rank of the job learns which stage failed and exits within a bounded time.
 
-A failing rank writes its error to the process group's key-value store (first writer wins). The
-others see it in two places: the pipeline's own waits check the store while they wait, and a
-watchdog thread ends a process that stays blocked elsewhere (in a collective of Lightning's, say)
-for longer than a grace period after a failure was published.
+A failing rank writes its error to the process group's key-value store (first writer wins). A
+killed rank cannot write: its neighbours notice its closed connections at once, and heartbeats
+notice a rank that is gone or frozen within ``failure_timeout`` seconds; either way the failure is
+published on its behalf. The store is only ever touched by a background poller thread, never by
+the training thread, because a store whose host died can block a caller for the whole store
+timeout; the training thread reads the poller's findings from memory. A watchdog thread ends a
+process that stays blocked elsewhere (in a collective of Lightning's, say) for longer than a grace
+period after a failure was published, and treats a store that stops answering as a failure of
+rank 0, which hosts it.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["PipelineError", "FailureBoard"]
+__all__ = ["PipelineError", "FailureBoard", "exit_without_finalizers"]
 
-_KEY = "failed"
+_KEY, _ACKS = "failed", "acks"
 
 
 class PipelineError(RuntimeError):
@@ -35,93 +41,191 @@ def _default_store() -> Optional[dist.Store]:
         return None
 
 
-class FailureBoard:
-    """Publishes and polls the first failure of a job over the default process group's store.
+def exit_without_finalizers(board: Optional["FailureBoard"] = None, code: int = 1) -> None:
+    """At interpreter exit, end the process with ``code`` before the C++ finalizers run.
 
-    >>> board = FailureBoard(store=None, rank=0, describe=lambda r: f"stage {r}")  # no store: a no-op
+    After a failed run, receiving threads may still be blocked on a dead or frozen peer; destroying
+    their process groups at exit then aborts (SIGABRT) or blocks. Called once a run has failed, when
+    the process is expected to end with the error anyway. The rank that hosts the store first waits
+    (briefly) until the others have read the failure from it.
+    """
+    if getattr(exit_without_finalizers, "_registered", False):
+        return
+    exit_without_finalizers._registered = True  # type: ignore[attr-defined]
+
+    def _exit() -> None:
+        if board is not None:
+            board.linger()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    atexit.register(_exit)
+
+
+class FailureBoard:
+    """Publishes and watches the first failure of a job over the default process group's store.
+
+    >>> board = FailureBoard(store=None, rank=0, world_size=1, describe=lambda r: f"stage {r}")  # a no-op
     >>> board.failure() is None
     True
     """
 
-    def __init__(self, store: Optional[dist.Store], rank: int, describe, namespace: str = "lightning_gpipe") -> None:
+    def __init__(self, store: Optional[dist.Store], rank: int, world_size: int, describe: Callable[[int], str],
+                 namespace: str = "lightning_gpipe") -> None:
         self._store = dist.PrefixStore(namespace, store) if store is not None else None
-        self.rank = rank
-        self.describe = describe
+        self.rank, self.world_size, self.describe = rank, world_size, describe
         self._published = False
-        self._last_poll = 0.0
-        self._cached: Optional[str] = None
-        self._watchdog: Optional[threading.Thread] = None
+        self._message: Optional[str] = None  # another rank's failure, as the poller last saw it
+        self._last_answer = time.monotonic()
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
 
     @classmethod
-    def for_default_group(cls, describe, namespace: str) -> "FailureBoard":
+    def for_default_group(cls, describe: Callable[[int], str], namespace: str) -> "FailureBoard":
         """A board on the default group's store; a no-op outside ``torch.distributed``."""
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(None, 0, describe, namespace)
-        return cls(_default_store(), dist.get_rank(), describe, namespace)
+            return cls(None, 0, 1, describe, namespace)
+        return cls(_default_store(), dist.get_rank(), dist.get_world_size(), describe, namespace)
+
+    # -- the training thread's side: no store access ------------------------------------------------------
 
     def publish(self, error: BaseException) -> None:
         """Tell the other ranks that this rank failed with ``error``; only the first failure is kept."""
         if self._store is None or self._published:
             return
         self._published = True
-        if isinstance(error, PipelineError):
-            return  # a consequence of another rank's failure, which is already on the board
-        message = f"{self.describe(self.rank)} (rank {self.rank}) failed: {type(error).__name__}: {error}"
+        verb = "reported" if isinstance(error, PipelineError) else "failed"  # a PipelineError names its cause
+        name = "" if isinstance(error, PipelineError) else f"{type(error).__name__}: "
+        message = f"{self.describe(self.rank)} (rank {self.rank}) {verb}: {name}{error}"
+        writer = threading.Thread(target=self._set_failure, args=(message,), daemon=True)
+        writer.start()
+        writer.join(timeout=2.0)  # a dead store must not hold the failing rank up
+
+    def failure(self) -> Optional[str]:
+        """Another rank's failure, if one is known."""
+        return self._message
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`PipelineError` if another rank failed."""
+        if self._message is not None and not self._published:
+            raise PipelineError(self._message)
+
+    def wait_for_failure(self, seconds: float) -> Optional[str]:
+        """The failure another rank published, waiting up to ``seconds`` for the poller to see it."""
+        deadline = time.monotonic() + seconds
+        while self._message is None and self._threads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._message
+
+    # -- background threads --------------------------------------------------------------------------------
+
+    def start(self, grace: float, failure_timeout: float, poll: float = 0.25) -> None:
+        """Start polling the store (heartbeats, failures) and watching this process.
+
+        A rank whose heartbeat stops for ``failure_timeout`` seconds is published as failed; a store
+        that does not answer for that long counts as a failure of rank 0. ``grace`` seconds after a
+        failure became known, a process still running is ended with exit code 1.
+        """
+        if self._store is None or self._threads:
+            return
+        self._stop.clear()
+        self._last_answer = time.monotonic()
+        self._threads = [
+            threading.Thread(target=self._poll, args=(poll, failure_timeout), name="lightning-gpipe-poller",
+                             daemon=True),
+            threading.Thread(target=self._watch, args=(poll, grace, failure_timeout),
+                             name="lightning-gpipe-watchdog", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """This rank's run ended normally: stop, and tell the others not to wait for its heartbeat."""
+        self._stop.set()
+        if self._store is not None and self._threads:
+            done = threading.Thread(target=self._quietly, args=(self._store.set, f"done/{self.rank}", "1"), daemon=True)
+            done.start()
+            done.join(timeout=2.0)
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self._threads = []
+
+    def linger(self, seconds: float = 10.0) -> None:
+        """On the store's host, after a failure: give the others up to ``seconds`` to read it before exiting."""
+        if self._store is None or self.rank != 0 or not self._threads:
+            return
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if int(self._store.add(_ACKS, 0)) >= self.world_size - 1:
+                    return
+            except Exception:
+                return
+            time.sleep(0.05)
+
+    @staticmethod
+    def _quietly(call: Callable, *args: object) -> None:
         try:
-            self._store.compare_set(_KEY, "", message)
+            call(*args)
+        except Exception:  # the store's host is gone; the poller reports that
+            pass
+
+    def _set_failure(self, message: str) -> None:
+        try:
+            self._store.compare_set(_KEY, "", message)  # type: ignore[union-attr]
         except Exception:  # the store itself may be gone (its host died); nothing more can be said
             pass
 
-    def failure(self, every: float = 0.0) -> Optional[str]:
-        """The published failure of another rank, if any; polls the store at most once per ``every`` seconds."""
-        if self._store is None:
-            return None
-        if self._cached is None:
-            now = time.monotonic()
-            if now - self._last_poll < every:
-                return None
-            self._last_poll = now
+    def _poll(self, poll: float, failure_timeout: float) -> None:
+        store = self._store
+        assert store is not None
+        last_seen = {r: (-1, time.monotonic()) for r in range(self.world_size) if r != self.rank}
+        acknowledged = False
+        while not self._stop.wait(poll):
             try:
-                if self._store.check([_KEY]):
-                    self._cached = self._store.get(_KEY).decode()
-            except Exception as error:  # the store's host (rank 0) is gone
-                self._cached = f"the job's store could not be reached ({type(error).__name__}: {error}); rank 0 died?"
-        return self._cached
+                store.add(f"beat/{self.rank}", 1)
+                self._check_heartbeats(last_seen, failure_timeout)
+                if store.check([_KEY]):
+                    self._message = store.get(_KEY).decode()
+                    if not acknowledged and not self._published:
+                        store.add(_ACKS, 1)
+                        acknowledged = True
+                self._last_answer = time.monotonic()
+            except Exception as error:  # the store's host is gone; Lightning's launchers start it with rank 0
+                if self._message is None:
+                    self._message = (f"{self.describe(0)} (rank 0) is unreachable: the job's store, which rank 0 "
+                                     f"hosts, failed ({type(error).__name__}: {error})")
+                return
 
-    def raise_if_failed(self, every: float = 0.0) -> None:
-        """Raise :class:`PipelineError` if another rank published a failure."""
-        message = self.failure(every)
-        if message is not None and not self._published:
-            raise PipelineError(message)
+    def _check_heartbeats(self, last_seen: dict, failure_timeout: float) -> None:
+        store = self._store
+        assert store is not None
+        now = time.monotonic()
+        for rank, (beats, since) in list(last_seen.items()):
+            if store.check([f"done/{rank}"]):
+                del last_seen[rank]
+                continue
+            current = int(store.add(f"beat/{rank}", 0))
+            if current != beats:
+                last_seen[rank] = (current, now)
+            elif now - since > failure_timeout:
+                self._set_failure(f"{self.describe(rank)} (rank {rank}) stopped responding: no heartbeat for "
+                                  f"{now - since:.0f}s (killed, or frozen)")
+                del last_seen[rank]
 
-    def start_watchdog(self, grace: float, poll: float = 0.5) -> None:
-        """End this process ``grace`` seconds after another rank's failure if it has not ended by itself."""
-        if self._store is None or self._watchdog is not None:
-            return
-        self._stop.clear()
-
-        def watch() -> None:
-            while not self._stop.wait(poll):
-                message = self.failure()
-                if message is None or self._published:
-                    continue
-                if self._stop.wait(grace) or self._published:
-                    return
-                sys.stderr.write(
-                    f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after another rank "
-                    f"failed and this one stayed blocked.\n{message}\n"
-                )
-                traceback.print_stack(sys._current_frames().get(threading.main_thread().ident), file=sys.stderr)
-                sys.stderr.flush()
-                os._exit(1)
-
-        self._watchdog = threading.Thread(target=watch, name="lightning-gpipe-watchdog", daemon=True)
-        self._watchdog.start()
-
-    def stop_watchdog(self) -> None:
-        """Stop watching: the run ended normally."""
-        self._stop.set()
-        if self._watchdog is not None:
-            self._watchdog.join(timeout=5)
-            self._watchdog = None
+    def _watch(self, poll: float, grace: float, failure_timeout: float) -> None:
+        while not self._stop.wait(poll):
+            silent = time.monotonic() - self._last_answer
+            if self._message is None and silent > failure_timeout:
+                self._message = (f"{self.describe(0)} (rank 0) stopped responding: the job's store, which rank 0 "
+                                 f"hosts, has not answered for {silent:.0f}s")
+            if self._message is None or self._published:
+                continue
+            if self._stop.wait(grace) or self._published:
+                return
+            sys.stderr.write(f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after another "
+                             f"rank failed and this one stayed blocked.\n{self._message}\n")
+            traceback.print_stack(sys._current_frames().get(threading.main_thread().ident), file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(1)

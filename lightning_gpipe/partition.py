@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Optional
 
 from torch import nn
 
-__all__ = ["balance", "balance_by_params", "parameter_costs", "stage_bounds", "validate_balance"]
+__all__ = [
+    "balance", "balance_by_params", "parameter_costs", "split_table", "stage_bounds", "stage_costs", "validate_balance",
+]
 
 
 def _check_stages(layers: int, stages: int) -> None:
@@ -118,3 +121,41 @@ def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
         bounds.append((start, start + size))
         start += size
     return bounds
+
+
+def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    """The summed cost of each stage of a split.
+
+    >>> stage_costs([1, 2, 3, 4], [3, 1])
+    [6.0, 4.0]
+    """
+    return [float(sum(costs[start:stop])) for start, stop in stage_bounds(balance)]
+
+
+def split_table(balance: Sequence[int], params: Sequence[float], time: Optional[Sequence[float]] = None,
+                memory: Optional[Sequence[float]] = None) -> str:
+    """A markdown table of a split: each stage's layer range, parameter count, and share of time and memory.
+
+    Shares are of the whole backbone; ``n/a`` where that cost was not measured.
+
+    >>> print(split_table([1, 2], [10, 0, 30], time=[1, 1, 2]))
+    | stage | layers | params | time | memory |
+    |---:|---|---:|---:|---:|
+    | 0 | 0 | 10 | 25.0% | n/a |
+    | 1 | 1-2 | 30 | 75.0% | n/a |
+    """
+
+    def shares(costs: Optional[Sequence[float]]) -> list[str]:
+        if costs is None:
+            return ["n/a"] * len(balance)
+        sums = stage_costs(costs, balance)
+        total = sum(sums)
+        return [f"{100 * s / total:.1f}%" if total > 0 else "-" for s in sums]
+
+    rows = ["| stage | layers | params | time | memory |", "|---:|---|---:|---:|---:|"]
+    counts = stage_costs(params, balance)
+    for stage, ((start, stop), count, t, m) in enumerate(zip(stage_bounds(balance), counts, shares(time),
+                                                             shares(memory))):
+        layers = str(start) if stop - start == 1 else f"{start}-{stop - 1}"
+        rows.append(f"| {stage} | {layers} | {int(count):,} | {t} | {m} |")
+    return "\n".join(rows)

@@ -8,15 +8,28 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_gpipe import microbatch
 from lightning_gpipe.comm import Channels
-from lightning_gpipe.engine import StageRunner
+from lightning_gpipe.engine import StageRunner, Tracer
 from lightning_gpipe.failure import FailureBoard
 from lightning_gpipe.partition import balance_by_params, stage_bounds, validate_balance
+from lightning_gpipe.replicas import GradientSync
 from lightning_gpipe.topology import PipeLayout
 
-__all__ = ["GPipe"]
+__all__ = ["GPipe", "make_mesh"]
+
+
+def make_mesh(layout: PipeLayout, device: torch.device) -> DeviceMesh:
+    """The 2-D mesh ``(dp, pp)``: row ``r`` is pipeline ``r``, column ``k`` is stage ``k`` of every replica.
+
+    Collective over all processes. Its groups use gloo for CPU tensors beside NCCL for CUDA ones, so
+    that small CPU collectives (object broadcasts, counts) work in GPU jobs too.
+    """
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    return init_device_mesh(device.type, (layout.num_replicas, layout.pipe_size), mesh_dim_names=("dp", "pp"),
+                            backend_override={"dp": backend, "pp": backend})
 
 
 def _distributed() -> bool:
@@ -47,17 +60,22 @@ class GPipe(nn.Module):
         chunks: micro-batches per batch (``M`` in the paper).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches drop their
             activations in the forward and recompute them in the backward.
-        layout: how the processes form pipelines; by default one pipeline over all processes.
+        layout: how the processes form pipelines; by default one pipeline over all processes. With several
+            pipelines (data-parallel replicas), each stage averages its gradients over its replicas:
+            call ``sync_gradients()`` after ``backward`` (the Lightning strategy does).
         device: this stage's device; by default the CPU.
         seed: the root of the random streams (dropout); by default the first stage's ``torch.initial_seed()``.
         timeout: seconds a stage waits for a message before it gives up.
         board: where failures are published; by default one on the default process group's store.
+        mesh: the ``(dp, pp)`` DeviceMesh of ``layout`` (see :func:`make_mesh`); by default one is made
+            (a collective) and freed at :meth:`close`.
     """
 
     def __init__(self, module: nn.Sequential, balance: Optional[Sequence[int]] = None, *, chunks: int = 1,
                  checkpoint: str = "except_last", layout: Optional[PipeLayout] = None,
                  device: Optional[Union[torch.device, str]] = None, seed: Optional[int] = None,
-                 timeout: float = 1800.0, board: Optional[FailureBoard] = None) -> None:
+                 timeout: float = 1800.0, board: Optional[FailureBoard] = None,
+                 mesh: Optional[DeviceMesh] = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
@@ -80,19 +98,37 @@ class GPipe(nn.Module):
             else:
                 layer.to("meta")  # frees the memory of other stages' layers, even if the caller keeps references
         self._full = [module]  # in a list, so that it is not a submodule: only the own stage is registered
+        self._own_board = board is None
         self.board = board or FailureBoard.for_default_group(self.describe, namespace="lightning_gpipe")
+        if self._own_board:
+            self.board.start(grace=10.0, failure_timeout=30.0)
         self.ranks = layout.pipeline_of(rank)
-        self.group: Optional[dist.ProcessGroup] = None  # this pipeline's ranks, for collectives across stages
-        if stages > 1:
-            for ranks in layout.pipelines:  # every rank joins the creation of every group
-                group = dist.new_group(ranks, backend="cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
-                if ranks == self.ranks:
-                    self.group = group
+        self.group: Optional[dist.ProcessGroup] = None  # this pipeline's ranks ("pp"), for collectives across stages
+        self.replica_group: Optional[dist.ProcessGroup] = None  # this stage in every pipeline ("dp")
+        self._own_mesh = mesh is None and world > 1
+        self.mesh = make_mesh(layout, self.device) if self._own_mesh else mesh
+        if self.mesh is not None:
+            self.group = self.mesh.get_group("pp") if stages > 1 else None
+            self.replica_group = self.mesh.get_group("dp") if layout.num_replicas > 1 else None
         channels = Channels(layout, rank, self.device, self.board, timeout) if stages > 1 else None
         if seed is None:
             seed = self.broadcast(torch.initial_seed())
         layers = [(int(name), layer) for name, layer in self.named_children()]
         self.runner = StageRunner(layers, self.stage, self.ranks, channels, chunks, checkpoint, self.device, seed)
+        if self.replica_group is not None:
+            self.runner.grad_sync = GradientSync(self.parameters(), self.replica_group)
+
+    def sync_gradients(self, replicated: Optional[list[nn.Parameter]] = None) -> None:
+        """Average this stage's gradients (and ``replicated`` ones) over the data-parallel replicas.
+
+        Most buckets went out during the drain already; this sends the rest and waits. A no-op with one
+        replica. ``replicated``: parameters outside the pipeline that every rank holds (a head).
+        """
+        sync = self.runner.grad_sync
+        if sync is not None:
+            if replicated is not None:
+                sync.add_replicated(replicated)
+            sync.finish()
 
     def describe(self, rank: int) -> str:
         """How error messages name the stage of ``rank``."""
@@ -114,6 +150,15 @@ class GPipe(nn.Module):
     def checkpoint(self) -> str:
         return self.runner.checkpoint
 
+    @property
+    def tracer(self) -> Optional[Tracer]:
+        """What this stage reports its passes to (see :class:`lightning_gpipe.timer.StageTimer`); ``None``: nothing."""
+        return self.runner.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Optional[Tracer]) -> None:
+        self.runner.tracer = tracer
+
     def local_layers(self) -> list[tuple[int, nn.Module]]:
         """This stage's ``(index, layer)`` pairs."""
         return self.runner.layers
@@ -130,9 +175,16 @@ class GPipe(nn.Module):
         if self.runner.channels is not None:
             self.runner.channels.close()
             self.runner.channels = None
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        if self.runner.grad_sync is not None:
+            self.runner.grad_sync.remove()
+            self.runner.grad_sync = None
+        if self._own_mesh:
+            for group in (self.group, self.replica_group):
+                if group is not None:
+                    dist.destroy_process_group(group)
+        self.group = self.replica_group = self.mesh = None
+        if self._own_board:
+            self.board.stop()
 
     def __getitem__(self, index: int) -> nn.Module:
         name = str(index if index >= 0 else self.num_layers + index)

@@ -10,14 +10,14 @@ from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipe
 
-__all__ = ["gather_state_dict", "reassemble", "local_state_dict"]
+__all__ = ["gather_objects", "gather_state_dict", "merge_backbone", "reassemble", "local_state_dict"]
 
 
 def _cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
-def _gather(pipe: GPipe, obj: Any, to_all: bool) -> Optional[list[Any]]:
+def gather_objects(pipe: GPipe, obj: Any, to_all: bool) -> Optional[list[Any]]:
     """``obj`` from every stage, in stage order: on every stage if ``to_all``, else on the first stage only."""
     if pipe.group is None:
         return [obj]
@@ -34,10 +34,28 @@ def gather_state_dict(pipe: GPipe) -> Optional[dict[str, Tensor]]:
     """The full Sequential's ``state_dict`` (keys ``"<layer>.<name>"``, on the CPU) on the first stage; ``None``
     on the others. Collective over the pipeline: only tensors travel, never modules (modules with hook
     closures cannot be pickled)."""
-    parts = _gather(pipe, _cpu(pipe.state_dict()), to_all=False)
+    parts = gather_objects(pipe, _cpu(pipe.state_dict()), to_all=False)
     if parts is None:
         return None
     return {k: v for part in parts for k, v in part.items()}
+
+
+def merge_backbone(local: dict[str, Any], backbone: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``local`` (one stage's module state) with its backbone entries replaced by the whole ``backbone``'s.
+
+    The backbone's entries go where the stage's were, in layer order, so the keys come in the order a
+    one-device ``state_dict`` has them.
+    """
+    rest = {prefix + k: v for k, v in backbone.items()}
+    merged: dict[str, Any] = {}
+    for key, value in local.items():
+        if not key.startswith(prefix):
+            merged[key] = value
+        elif rest:
+            merged.update(rest)
+            rest = {}
+    merged.update(rest)  # a first stage without state of its own (only activations, say)
+    return merged
 
 
 def local_state_dict(state: dict[str, Any], pipe: GPipe, prefix: str) -> dict[str, Any]:
@@ -64,7 +82,7 @@ def reassemble(pipe: GPipe) -> nn.Sequential:
     ``state_dict`` would leave out).
     """
     own = {name: t.detach().cpu() for name, t in [*pipe.named_parameters(), *pipe.named_buffers()]}
-    parts = _gather(pipe, own, to_all=True)
+    parts = gather_objects(pipe, own, to_all=True)
     values = {k: v for part in parts or [] for k, v in part.items()}
     full = pipe.full_sequential()
     local = {i for i, _ in pipe.local_layers()}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -20,15 +21,23 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
-from lightning_gpipe import clipping, state
-from lightning_gpipe._lightning import init_process_group, optimizers_to_device
+from lightning_gpipe import clipping, optim_state, state
+from lightning_gpipe._lightning import (
+    backbone_sample, init_process_group, optimizers_to_device, preserved_rng, silence_not_resumable_warning,
+)
 from lightning_gpipe.batchnorm import DeferredBatchNorm
-from lightning_gpipe.failure import FailureBoard
-from lightning_gpipe.partition import balance_by_params, validate_balance
-from lightning_gpipe.pipe import GPipe
+from lightning_gpipe.checkpoint import atomic_write, is_sharded, load_sharded, save_sharded
+from lightning_gpipe.failure import FailureBoard, exit_without_finalizers
+from lightning_gpipe.partition import balance as optimal_balance
+from lightning_gpipe.partition import balance_by_params, parameter_costs, split_table, validate_balance
+from lightning_gpipe.pipe import GPipe, make_mesh
+from lightning_gpipe.profiling import COST_KINDS, LayerCosts, profile_layers
+from lightning_gpipe.replicas import broadcast_from_first_replica
+from lightning_gpipe.resumable import RandomState, resumable
 from lightning_gpipe.schedule import CHECKPOINT_MODES
+from lightning_gpipe.summary import use_pipeline_summaries
 from lightning_gpipe.topology import PipeLayout
 
 __all__ = ["GPipeStrategy"]
@@ -45,8 +54,15 @@ class GPipeStrategy(ParallelStrategy):
     steps its own stage plus the layers outside the backbone (which every rank holds, in sync).
 
     Args:
-        balance: layers per stage (one entry per stage), or ``"params"`` (the default): the split that
-            minimizes the largest stage's parameter count.
+        balance: how to split the backbone: layers per stage (one entry per stage), or the cost whose
+            largest stage the split minimizes (exactly, see :func:`lightning_gpipe.balance`):
+            ``"params"`` (the default: parameter count, nothing is run), ``"time"`` (forward plus
+            backward of each layer on the device, median of 5 repeats) or ``"memory"`` (parameter,
+            gradient and Adam-like optimizer-state bytes plus the activations one micro-batch saves).
+            ``"time"`` and ``"memory"`` profile the layers one at a time on global rank 0, on one
+            micro-batch of the first batch of the dataloader (run through ``training_step`` up to the
+            backbone), or of ``example_input_array`` (run through ``forward``) when that fails; the
+            split is broadcast to every rank. The chosen split is logged on rank 0.
         chunks: micro-batches per batch (``M``). Results do not depend on the number of stages; with
             random layers (dropout) they do depend on ``chunks``, which keys the random streams.
         checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``: which micro-batches drop
@@ -60,6 +76,11 @@ class GPipeStrategy(ParallelStrategy):
         start_method: ``"popen"`` (scripts), ``"spawn"`` or ``"fork"`` (notebooks, tests).
         watchdog_grace: seconds a rank may stay blocked (in a collective of Lightning's) after another
             rank failed, before the watchdog ends its process.
+        failure_timeout: seconds without a heartbeat after which a rank counts as dead (a killed rank
+            is usually noticed at once, through its closed connections; this is the fallback).
+        state_dict_type: ``"full"`` (default): one checkpoint file gathered on the first stage,
+            loadable on one device without this package; ``"sharded"``: a directory written by every
+            stage with ``torch.distributed.checkpoint``, for models too big to gather on one host.
         deferred_batch_norm: replace the backbone's BatchNorm layers by
             :class:`~lightning_gpipe.DeferredBatchNorm`, whose running statistics cover the whole batch
             instead of moving once per micro-batch.
@@ -69,7 +90,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        balance: Union[Sequence[int], Literal["params"]] = "params",
+        balance: Union[Sequence[int], Literal["params", "time", "memory"]] = "params",
         chunks: int = 4,
         checkpoint: str = "except_last",
         backbone: str = "backbone",
@@ -78,6 +99,8 @@ class GPipeStrategy(ParallelStrategy):
         timeout: float = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         watchdog_grace: float = 10.0,
+        failure_timeout: float = 30.0,
+        state_dict_type: Literal["full", "sharded"] = "full",
         deferred_batch_norm: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -90,8 +113,9 @@ class GPipeStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        if isinstance(balance, str) and balance != "params":
-            raise ValueError(f"`balance` must be a list of layers per stage or 'params', got {balance!r}.")
+        if isinstance(balance, str) and balance not in COST_KINDS:
+            raise ValueError(f"`balance` must be a list of layers per stage or 'params', 'time' or 'memory', "
+                             f"got {balance!r}.")
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"`chunks` must be a positive integer (micro-batches per batch), got {chunks!r}.")
         if checkpoint not in CHECKPOINT_MODES:
@@ -100,16 +124,27 @@ class GPipeStrategy(ParallelStrategy):
             raise ValueError(f"`backbone` must name the attribute that holds the nn.Sequential, got {backbone!r}.")
         if pipe_size is not None and (not isinstance(pipe_size, int) or pipe_size < 1):
             raise ValueError(f"`pipe_size` must be a positive integer, got {pipe_size!r}.")
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"`state_dict_type` must be 'full' or 'sharded', got {state_dict_type!r}.")
         self.balance, self.chunks, self.checkpoint, self.backbone = balance, chunks, checkpoint, backbone
         self._pipe_size, self.seed, self.timeout = pipe_size, seed, timeout
         self._start_method, self.watchdog_grace = start_method, watchdog_grace
+        self.failure_timeout, self.state_dict_type = failure_timeout, state_dict_type
         self.deferred_batch_norm = deferred_batch_norm
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._process_group_timeout = process_group_timeout
         self.pipe: Optional[GPipe] = None
+        self._mesh: Optional[Any] = None  # the (dp, pp) DeviceMesh
+        self.layer_costs: Optional[LayerCosts] = None  # what balance="time" or "memory" measured, per layer
         self._board: Optional[FailureBoard] = None
         self._failed = False
+        self._full_names: list[str] = []  # the model's parameter names in order, before partitioning
+        self._layouts: list[optim_state.Layout] = []  # per optimizer: its groups over the whole model
+        self._loaders: list[Any] = []  # the resumable training loaders handed to the loop
+        self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
+        self._batch_idx = -1
+        self._replicated: list[nn.Parameter] = []  # parameters outside the backbone, held by every rank
 
     # -- processes and ranks ---------------------------------------------------------------------------
 
@@ -170,10 +205,12 @@ class GPipeStrategy(ParallelStrategy):
         if self.world_size > 1:  # pipeline-1 needs no process group
             backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
             init_process_group(self.cluster_environment, backend, self.root_device, self._process_group_timeout)
+        if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
+            self._mesh = make_mesh(self.layout, self.root_device)
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
         self._failed = False
         if self.world_size > 1:
-            self._board.start_watchdog(self.watchdog_grace)
+            self._board.start(self.watchdog_grace, self.failure_timeout)
 
     def _describe(self, rank: int) -> str:
         layout = self.layout
@@ -209,22 +246,57 @@ class GPipeStrategy(ParallelStrategy):
                 f"`{type(module).__name__}.{self.backbone}` is a {type(sequential).__name__}, but the gpipe strategy "
                 "splits an nn.Sequential into stages. Make the backbone an nn.Sequential of its layers."
             )
-        if self.deferred_batch_norm:  # before partitioning: the layers are replaced in place
-            DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
         layout = self.layout
         if layout.pipe_size > len(sequential):
             raise ValueError(
                 f"The pipeline has {layout.pipe_size} stages but `{self.backbone}` has only {len(sequential)} layers; "
                 f"every stage needs at least one layer. Use at most {len(sequential)} devices per pipeline."
             )
-        if self.balance == "params":
-            balance = balance_by_params(sequential, layout.pipe_size)
-        else:
-            balance = validate_balance(self.balance, len(sequential), layout.pipe_size)
+        balance = self._choose_balance(sequential, layout.pipe_size)
+        if self.deferred_batch_norm:  # after profiling (which would count as micro-batches), before partitioning
+            DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
+        self._full_names = [n for n, _ in module.named_parameters()]
         pipe = GPipe(sequential, balance, chunks=self.chunks, checkpoint=self.checkpoint, layout=layout,
-                     device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board)
+                     device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board, mesh=self._mesh)
         setattr(owner, name, pipe)
         return pipe
+
+    def _choose_balance(self, sequential: nn.Sequential, stages: int) -> list[int]:
+        """The split: given, by parameter count, or by costs that rank 0 measures and broadcasts; logged."""
+        self.layer_costs = None
+        if not isinstance(self.balance, str):
+            balance = validate_balance(self.balance, len(sequential), stages)
+        elif self.balance == "params":
+            balance = balance_by_params(sequential, stages)
+        else:
+            self.layer_costs = self._measure_costs(sequential)
+            balance = optimal_balance(self.layer_costs.of(self.balance), stages)
+        costs = self.layer_costs
+        rank_zero_info(f"GPipe split of `{self.backbone}` into {stages} stage{'s' * (stages > 1)} by "
+                       f"balance={self.balance!r}:\n"
+                       + split_table(balance, parameter_costs(sequential), costs and costs.time, costs and costs.memory)
+                       + ("" if costs else "\n(time and memory are measured with balance='time' or 'memory')"))
+        return balance
+
+    def _measure_costs(self, sequential: nn.Sequential) -> LayerCosts:
+        """Profile on global rank 0 only and broadcast, so that every rank builds the same split."""
+        outcome: Any = None
+        if self.global_rank == 0:
+            try:
+                with preserved_rng():
+                    sample, where = backbone_sample(self.lightning_module, sequential, self.backbone, self.chunks)
+                    outcome = profile_layers(sequential, sample, self.root_device,
+                                             context=self.precision_plugin.forward_context)
+                rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
+            except Exception as error:
+                outcome = error
+        shared = self.broadcast(outcome if not isinstance(outcome, Exception) else
+                                (type(outcome).__name__, str(outcome)), src=0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        if isinstance(shared, tuple):  # rank 0 failed: fail alike, with its message
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(shared[0], RuntimeError)(shared[1])
+        return shared
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -235,11 +307,21 @@ class GPipeStrategy(ParallelStrategy):
         self.model_to_device()
         self._sync_replicated()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            try:
+                self.setup_optimizers(trainer)
+            except ValueError as error:
+                if "empty parameter list" not in str(error):
+                    raise
+                raise ValueError(
+                    f"Stage {self.pipe.stage} has no parameters for its optimizer (layers "
+                    f"{[i for i, _ in self.pipe.local_layers()]}). Give every stage trainable layers with `balance`, "
+                    "or keep a trainable layer outside the backbone (a head) that every stage steps.") from error
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+            self._layouts = [self._optimizer_layout(o) for o in self.optimizers]
         _use_global_norm_clipping(self.precision_plugin, self)
+        use_pipeline_summaries(trainer.callbacks)
 
     @override
     def model_to_device(self) -> None:
@@ -253,12 +335,16 @@ class GPipeStrategy(ParallelStrategy):
         ``RandomSampler`` (which draws from it) orders the data alike on every stage.
         """
         pipe = self.pipe
-        assert pipe is not None and self.lightning_module is not None
+        module = self.lightning_module
+        assert pipe is not None and module is not None
+        backbone = {id(t) for t in [*pipe.parameters(), *pipe.buffers()]}
+        self._replicated = [p for p in module.parameters() if id(p) not in backbone]
+        # replicas of a stage start equal, as under DDP: the first replica's weights everywhere
+        broadcast_from_first_replica([*module.parameters(), *module.buffers()], pipe.replica_group)
         if pipe.group is None:
             return
-        backbone = {id(t) for t in [*pipe.parameters(), *pipe.buffers()]}
         with torch.no_grad():
-            for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
+            for tensor in [*module.parameters(), *module.buffers()]:
                 if id(tensor) not in backbone:
                     dist.broadcast(tensor.data, src=pipe.ranks[0], group=pipe.group)
         torch.set_rng_state(pipe.broadcast(torch.get_rng_state()))
@@ -280,13 +366,31 @@ class GPipeStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @property
+    def replica_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's stage in every pipeline (DeviceMesh dim ``dp``): the group to reduce metrics over.
+
+        ``None`` with one pipeline. Pass it to torchmetrics as ``process_group`` so that metric states
+        are not counted once per stage.
+        """
+        if self._mesh is None or self.layout.num_replicas == 1:
+            return None
+        return self._mesh.get_group("dp")
+
+    def _replicas_only(self, group: Optional[Any]) -> bool:
+        # the default group of reduce and all_gather is the replicas of this stage: the stages of one
+        # pipeline hold the same values, and counting them once per stage would be wrong for a sum
+        return group is None and self.replica_group is None
+
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        """Reduce over all processes. The stages of a pipeline hold equal values, so a mean over all equals the
-        mean over the data-parallel replicas; a sum counts every replica once per stage."""
+        """Reduce over the data-parallel replicas (by default): every stage gets the same result."""
         if not isinstance(tensor, Tensor) or not (dist.is_available() and dist.is_initialized()):
             return tensor
+        if self._replicas_only(group):
+            return tensor.clone()
+        group = group if group is not None else self.replica_group
         op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
         mean = op in (None, "mean", "avg")
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -297,40 +401,180 @@ class GPipeStrategy(ParallelStrategy):
             tensor = tensor / dist.get_world_size(group)
         return tensor
 
-    # -- checkpoints and teardown ------------------------------------------------------------------------
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather from the data-parallel replicas (by default), stacked in replica order."""
+        if self._replicas_only(group) or not (dist.is_available() and dist.is_initialized()):
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group=group if group is not None else self.replica_group,
+                                  sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Decided over every rank (stopping, say): the stages of a pipeline must go on or stop together."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    # -- gradients -------------------------------------------------------------------------------------
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Average gradients over the data-parallel replicas (a no-op with one pipeline)."""
+        if self.pipe is not None:
+            self.pipe.sync_gradients(self._replicated)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient averaging while Lightning accumulates gradients over several batches."""
+        sync = self.pipe.runner.grad_sync if self.pipe is not None else None
+        if sync is None:
+            yield None
+            return
+        sync.enabled = False
+        try:
+            yield None
+        finally:
+            sync.enabled = True
+
+    # -- data ------------------------------------------------------------------------------------------
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training loader resumable mid-epoch (see :mod:`lightning_gpipe.resumable`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, torch.utils.data.DataLoader):
+            return dataloader
+        loader = resumable(dataloader, consumed=lambda: self._batch_idx + 1, random=RandomState(self.root_device))
+        if self._loader_position is not None and hasattr(loader, "restore"):
+            loader.restore(self._loader_position)
+            self._loader_position = None
+        self._loaders = [loader]
+        return loader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_idx = batch_idx
+        for loader in self._loaders:
+            if getattr(loader, "pending_random_state", None) is not None:  # resumed mid-epoch: go on as if never stopped
+                loader._random.set(loader.pending_random_state)
+                loader.pending_random_state = None
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # restore into the partitioned model: each stage loads only the entries of its own layers
+        return True
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state_dict under its original keys, on the first stage; collective."""
+        """The whole model's state_dict under its original keys, on the first stage; collective.
+
+        With ``state_dict_type="sharded"`` every stage keeps its own part; the checkpoint writer stores it.
+        """
         module = self.lightning_module
         assert module is not None
         local = module.state_dict()
-        if self.pipe is None or self.pipe.group is None:
+        if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded":
             return local
         full_backbone = state.gather_state_dict(self.pipe)
-        if full_backbone is None:
-            return local
-        prefix = self.backbone + "."
-        backbone = {prefix + k: v for k, v in full_backbone.items()}
-        merged: dict[str, Any] = {}
-        for key, value in local.items():  # the backbone's entries go where the stage's were, in layer order
-            if not key.startswith(prefix):
-                merged[key] = value
-            elif backbone:
-                merged.update(backbone)
-                backbone = {}
-        merged.update(backbone)  # a first stage without state of its own (only activations, say)
-        return merged
+        return local if full_backbone is None else state.merge_backbone(local, full_backbone, self.backbone + ".")
+
+    def _optimizer_layout(self, optimizer: Any) -> optim_state.Layout:
+        names = optim_state.param_names(_unwrap(optimizer), self.lightning_module)
+        everyone = state.gather_objects(self.pipe, names, to_all=True) if self.pipe is not None else [names]
+        return optim_state.layout(everyone, self._full_names)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state for the whole model, numbered as on one device, on the first stage; collective."""
+        optimizer = _unwrap(optimizer)
+        if self.pipe is None or self.lightning_module is None:
+            return optimizer.state_dict()
+        named = optim_state.named_state(optimizer, self.lightning_module)
+        if self.state_dict_type == "sharded":
+            return named
+        parts = state.gather_objects(self.pipe, named, to_all=False)
+        if parts is None:
+            return {}
+        return optim_state.merge(parts, self._layouts[self.optimizers.index(optimizer)])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each stage takes its parameters' state, by name, from a checkpoint of any split or of one device."""
+        module = self.lightning_module
+        for optimizer, saved, layout in zip(self.optimizers, checkpoint["optimizer_states"], self._layouts):
+            optimizer = _unwrap(optimizer)
+            if "groups" in saved:  # a sharded checkpoint keeps the named form
+                saved = optim_state.from_named(saved)
+            optimizer.load_state_dict(optim_state.localize(saved, optimizer, module, layout))
+        optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write atomically: the whole file on the first rank, or (sharded) every stage's part."""
+        if self.pipe is not None:
+            checkpoint["gpipe"] = {"calls": self.pipe.runner.calls, "seed": self.pipe.runner.seed,
+                                   "stages": self.layout.pipe_size, "balance": self.pipe.balance}
+            if self._loaders and hasattr(self._loaders[0], "position"):
+                checkpoint["gpipe"]["loader"] = self._loaders[0].position()
+        path = str(filepath)
+        if self.state_dict_type == "sharded":
+            if self.pipe is not None:  # the key order of a one-device state_dict, for `consolidate`
+                keys = state.gather_objects(self.pipe, list(self.pipe.state_dict()), to_all=False)
+                full = {k: None for part in keys or [] for k in part}
+                checkpoint["gpipe"]["state_dict_keys"] = list(
+                    state.merge_backbone(checkpoint["state_dict"], full, self.backbone + "."))
+            save_sharded(checkpoint, path, writer=self.is_global_zero)
+        elif self.is_global_zero:
+            if "://" in path:  # a remote filesystem: leave atomicity to the CheckpointIO plugin
+                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            else:
+                atomic_write(lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options), path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = str(checkpoint_path)
+        if is_sharded(path):
+            checkpoint = load_sharded(path, self._wanted_keys())
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get("gpipe")
+        if saved is not None and self.pipe is not None:  # the random streams go on where they stopped
+            self.pipe.runner.calls, self.pipe.runner.seed = saved["calls"], saved["seed"]
+        if saved is not None and saved.get("loader") is not None:
+            self._loader_position = saved["loader"]  # for the training loader the loop makes next
+            silence_not_resumable_warning()
+        return checkpoint
+
+    def _wanted_keys(self):
+        """Which entries of a sharded checkpoint this stage reads: its own layers, the rest of the model."""
+        module = self.lightning_module
+        assert module is not None
+        model_keys = set(module.state_dict())
+        param_keys = {n for n, _ in module.named_parameters()}
+
+        def wanted(keys: tuple) -> bool:
+            if keys[0] == "state_dict":
+                return keys[1] in model_keys
+            if keys[0] == "optimizer_states":
+                return keys[2] == "groups" or (keys[2] == "state" and keys[3] in param_keys)
+            return False
+
+        return wanted
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
         state_dict = checkpoint["state_dict"]
-        owner, name = self._backbone_owner(module)
-        pipe = getattr(owner, name)
-        if isinstance(pipe, GPipe):  # partitioned: this stage takes its layers' entries only
-            state_dict = state.local_state_dict(state_dict, pipe, self.backbone + ".")
+        if self.pipe is not None:  # partitioned: this stage takes its layers' entries only
+            state_dict = state.local_state_dict(state_dict, self.pipe, self.backbone + ".")
         module.load_state_dict(state_dict, strict=strict)
 
     @override
@@ -338,6 +582,8 @@ class GPipeStrategy(ParallelStrategy):
         self._failed = True
         if self._board is not None:
             self._board.publish(exception)
+        if self.pipe is not None and self.pipe.runner.channels is not None:  # threads may wait on dead peers
+            exit_without_finalizers(self._board)
 
     @override
     def teardown(self) -> None:
@@ -349,8 +595,8 @@ class GPipeStrategy(ParallelStrategy):
             setattr(owner, name, state.reassemble(self.pipe))
             self.pipe.close()
         self.pipe = None
-        if self._board is not None:
-            self._board.stop_watchdog()
+        if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
+            self._board.stop()
         super().teardown()
 
     @classmethod
@@ -360,6 +606,10 @@ class GPipeStrategy(ParallelStrategy):
         for name, start_method in entries:
             strategy_registry.register(name, cls, description=f"GPipe pipeline, processes started with "
                                        f"{start_method!r}", start_method=start_method)
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
 
 
 def _use_global_norm_clipping(plugin: Precision, strategy: GPipeStrategy) -> None:

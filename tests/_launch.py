@@ -52,14 +52,16 @@ class Outcome:
     errors: list[str | None]
     tracebacks: list[str | None]
     seconds: float
+    ended: list[float | None]  # seconds from the start until each rank exited (None: killed at the timeout)
 
 
 def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
-                  threads: int = 1) -> Outcome:
+                  threads: int = 1, wait_for: list[int] | None = None) -> Outcome:
     """Start ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; wait up to ``timeout`` s.
 
     Nothing is killed early when one rank fails, so a test can see whether the others end by
-    themselves. Ranks still alive at the timeout are killed and reported with exit code ``None``.
+    themselves. Ranks still alive at the timeout (or, with ``wait_for``, once those ranks have all
+    exited) are killed and reported with exit code ``None``.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
@@ -67,8 +69,16 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         context = mp.start_processes(_worker, args=(world_size, port, fn, args, out_dir, threads),
                                      nprocs=world_size, start_method="spawn", join=False)
         deadline = start + timeout
-        while any(p.is_alive() for p in context.processes) and time.monotonic() < deadline:
+        ended: list[float | None] = [None] * world_size
+        watched = [context.processes[r] for r in (wait_for if wait_for is not None else range(world_size))]
+        while any(p.is_alive() for p in watched) and time.monotonic() < deadline:
+            for rank, p in enumerate(context.processes):
+                if ended[rank] is None and not p.is_alive():
+                    ended[rank] = time.monotonic() - start
             time.sleep(0.05)
+        for rank, p in enumerate(context.processes):
+            if ended[rank] is None and not p.is_alive():
+                ended[rank] = time.monotonic() - start
         hung = [p for p in context.processes if p.is_alive()]
         for p in hung:
             p.kill()
@@ -83,7 +93,7 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
             results.append(data.get("result"))
             errors.append(data.get("error"))
             tracebacks.append(data.get("traceback"))
-        return Outcome(exitcodes, results, errors, tracebacks, seconds)
+        return Outcome(exitcodes, results, errors, tracebacks, seconds, ended)
 
 
 def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:

@@ -35,9 +35,10 @@ def mlp(dropout: float = 0.0) -> nn.Sequential:
 class Net(L.LightningModule):
     """A backbone Sequential and a small head outside it; records what the tests compare."""
 
-    def __init__(self, optimizer: str = "sgd", dropout: float = 0.0, head_dropout: float = 0.0, stem: bool = False):
+    def __init__(self, optimizer: str = "sgd", dropout: float = 0.0, head_dropout: float = 0.0, stem: bool = False,
+                 scheduler: bool = False, sync_dist: bool = False):
         super().__init__()
-        self.optimizer_name = optimizer
+        self.optimizer_name, self.scheduler, self.sync_dist = optimizer, scheduler, sync_dist
         self.stem = nn.Linear(FEATURES, FEATURES) if stem else None
         self.backbone = mlp(dropout)
         self.head = nn.Sequential(nn.Dropout(head_dropout), nn.Linear(8, CLASSES))
@@ -53,7 +54,7 @@ class Net(L.LightningModule):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.losses.append(loss.item())
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.sync_dist)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -69,8 +70,12 @@ class Net(L.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=0.01)
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if not self.scheduler:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.7)}
 
 
 def trainer_kwargs(**overrides) -> dict:

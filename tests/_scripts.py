@@ -10,8 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: What Lightning's launcher leaves in os.environ after a one-process run in the test process. A script
 #: that inherits them believes it is a rank that was already launched, and waits for ranks that never come.
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK",
-                    "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK",
+                    "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
 def run_script(*args: str, timeout: float = 300, **env: str) -> str:

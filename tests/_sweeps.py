@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 
+import _balance_workers
 import _models as M
 
 
@@ -45,6 +46,8 @@ EXTRAS = [
     Config("gradient accumulation", strategy=(("chunks", 2),), trainer=(("accumulate_grad_batches", 2),)),
     Config("explicit uneven balance", strategy=(("chunks", 2), ("balance", None))),
     Config("bf16-mixed", strategy=(("chunks", 2),), trainer=(("precision", "bf16-mixed"),)),
+    Config("balance=time", model=(("stem", True),), strategy=(("chunks", 2), ("balance", "time"))),
+    Config("balance=memory", strategy=(("chunks", 3), ("balance", "memory"))),
 ]
 
 #: Dropout in the backbone and in the head: compared across K, not with a run without the package.
@@ -60,7 +63,7 @@ def run_config(config: Config, devices: int) -> dict[str, Any]:
     from lightning_gpipe import GPipeStrategy
 
     strategy = dict(config.strategy)
-    if "balance" in strategy:
+    if "balance" in strategy and strategy["balance"] is None:
         strategy["balance"] = uneven_balance(devices)
     L.seed_everything(0, verbose=False)
     model = M.Net(**dict(config.model))
@@ -83,6 +86,8 @@ def sweep(rank: int, world_size: int, configs: list[Config], extras: bool) -> di
         results["predict"] = predict_after_fit(world_size)
         results["checkpoint"] = checkpoint_during_fit(world_size)
         results["too many stages"] = too_many_stages(world_size)
+        results["summary"] = summary_totals(world_size)
+        results["measured balance"] = _balance_workers.measured_balance(world_size)  # ends in a failed fit: last
     return results
 
 
@@ -111,6 +116,29 @@ def checkpoint_during_fit(devices: int) -> dict[str, Any]:
     trainer.fit(model, M.loader())
     return {"path": checkpoint.best_model_path or os.path.join(directory, "last.ckpt"),
             "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+_SUMMARIES: list[dict[str, Any]] = []
+
+
+def summary_totals(devices: int) -> list[dict[str, Any]]:
+    """What Lightning's model summary reports (it prints on rank 0 only)."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from lightning_gpipe import GPipeStrategy
+
+    class Recording(ModelSummary):
+        @staticmethod
+        def summarize(summary_data, total_parameters, trainable_parameters, *args, **kwargs):
+            _SUMMARIES.append({"rows": dict(summary_data), "total": total_parameters,
+                               "trainable": trainable_parameters})
+
+    model = M.Net()
+    model.backbone[0].weight.requires_grad_(False)
+    trainer = L.Trainer(strategy=GPipeStrategy(), devices=devices,
+                        **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording()]))
+    trainer.fit(model, M.loader())
+    return list(_SUMMARIES)
 
 
 def too_many_stages(devices: int) -> str:

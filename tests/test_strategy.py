@@ -72,6 +72,18 @@ def test_spawn_launcher_gives_the_main_process_the_whole_trained_model(reference
     assert isinstance(model.backbone, nn.Sequential)
 
 
+def test_model_summary_counts_every_stage_not_only_the_first(pipeline_runs):
+    model = M.Net()
+    total = sum(p.numel() for p in model.parameters())
+    frozen = model.backbone[0].weight.numel()
+    summaries = pipeline_runs(2)[0]["summary"]
+    assert len(summaries) == 1  # printed once, on rank 0
+    assert summaries[0]["total"] == total and summaries[0]["trainable"] == total - frozen
+    row = summaries[0]["rows"]["Name"].index("backbone")
+    assert summaries[0]["rows"]["Params"][row].strip() == f"{sum(p.numel() for p in model.backbone.parameters())}"
+    assert pipeline_runs(2)[1]["summary"] == []
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,125 @@
+"""Optimizer state of a partitioned model keyed by parameter name, so that any split (or one device) can load it.
+
+Each rank's optimizer holds its own stage's parameters plus the replicated ones outside the backbone.
+A one-device optimizer numbers its parameters 0, 1, 2... in the order it was given them; here the
+names stand in for the numbers while state travels between ranks, and the numbering of a one-device
+run is rebuilt for the saved file, with ``param_names`` beside it. So the file resumes a one-device
+run, and a pipeline of any K maps it back by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = ["Layout", "param_names", "named_state", "layout", "merge", "localize", "from_named"]
+
+#: For each param group, the names of its parameters across the whole model, in one-device order.
+Layout = list[list[str]]
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def param_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
+    """The names (in ``module``) of each param group's parameters on this rank."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    try:
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    except KeyError:
+        raise ValueError("The optimizer holds a parameter that is not in the LightningModule; optimizers must be "
+                         "built from the module's own parameters (e.g. self.parameters()).") from None
+
+
+def named_state(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
+    """This rank's optimizer state with parameter names in place of positions."""
+    state = optimizer.state_dict()
+    names = param_names(optimizer, module)
+    flat = [n for group in names for n in group]
+    return {
+        "groups": [_hyper(g) for g in state["param_groups"]],
+        "state": {flat[i]: value for i, value in state["state"].items()},
+    }
+
+
+def layout(local_names: Sequence[list[list[str]]], full_order: Sequence[str]) -> Layout:
+    """Each group's parameters over all stages (``local_names`` holds one entry per stage), in model order."""
+    position = {name: i for i, name in enumerate(full_order)}
+    groups = len(local_names[0])
+    if any(len(names) != groups for names in local_names):
+        raise ValueError("The stages' optimizers have different numbers of param groups; configure_optimizers must "
+                         "build the same groups on every stage.")
+    merged = []
+    for g in range(groups):
+        names = {n for stage in local_names for n in stage[g]}
+        merged.append(sorted(names, key=lambda n: position.get(n, len(position))))
+    return merged
+
+
+def merge(parts: Sequence[Mapping[str, Any]], groups_layout: Layout) -> dict[str, Any]:
+    """The stages' named states as one optimizer ``state_dict`` numbered like a one-device run's."""
+    state: dict[int, Any] = {}
+    param_groups = []
+    index = 0
+    named = {name: value for part in parts for name, value in part["state"].items()}
+    for g, names in enumerate(groups_layout):
+        ids = list(range(index, index + len(names)))
+        param_groups.append({**parts[0]["groups"][g], "params": ids, "param_names": list(names)})
+        for i, name in zip(ids, names):
+            if name in named:
+                state[i] = named[name]
+        index += len(names)
+    return {"state": state, "param_groups": param_groups}
+
+
+def localize(saved: Mapping[str, Any], optimizer: Optimizer, module: nn.Module,
+             groups_layout: Optional[Layout] = None) -> dict[str, Any]:
+    """The part of a whole-model optimizer ``state_dict`` that this rank's ``optimizer`` holds.
+
+    ``saved`` names its parameters with ``param_names`` (files written by this package), or else is a
+    one-device file whose numbering follows ``groups_layout``.
+    """
+    saved_groups = saved["param_groups"]
+    local = param_names(optimizer, module)
+    if len(saved_groups) != len(local):
+        raise ValueError(f"The checkpoint's optimizer has {len(saved_groups)} param groups but this one has "
+                         f"{len(local)}; resume with the same configure_optimizers.")
+    state: dict[int, Any] = {}
+    groups = []
+    position = 0
+    for g, (group, names) in enumerate(zip(saved_groups, local)):
+        saved_names = group.get("param_names") or (groups_layout[g] if groups_layout else None)
+        if saved_names is None or len(saved_names) != len(group["params"]):
+            raise ValueError(
+                f"Cannot match param group {g} of the checkpoint's optimizer ({len(group['params'])} parameters) "
+                "to this model's parameters by name; was it written for another model?")
+        by_name = dict(zip(saved_names, group["params"]))
+        ids = []
+        for name in names:
+            if name not in by_name:
+                raise ValueError(f"The checkpoint's optimizer has no state for parameter {name!r} in group {g}.")
+            if by_name[name] in saved["state"]:
+                state[position] = saved["state"][by_name[name]]
+            ids.append(position)
+            position += 1
+        groups.append({**_hyper(group), "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def from_named(named: Mapping[str, Any]) -> dict[str, Any]:
+    """A :func:`named_state` (as a sharded checkpoint stores it) in the form :func:`localize` reads.
+
+    A named state does not say which group a name belongs to (its groups must be the same on every
+    stage to be stored once), so every group lists every name; :func:`localize` looks each of its own
+    parameters up by name within its own group, which finds it.
+    """
+    names = list(named["state"])
+    return {
+        "state": dict(enumerate(named["state"].values())),
+        "param_groups": [{**group, "params": list(range(len(names))), "param_names": names}
+                         for group in named["groups"]],
+    }

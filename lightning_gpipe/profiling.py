@@ -1,0 +1,231 @@
+"""Per-layer costs of a Sequential (parameters, time, memory), measured one layer at a time; plain PyTorch.
+
+The costs feed :func:`lightning_gpipe.partition.balance`. Each layer is moved to the device alone,
+run forward and backward on the output of the layer before it, and moved back, so a model far
+larger than the device is profiled with one layer and one micro-batch's activations on it at a time.
+Nothing is left changed: buffers (BatchNorm's running statistics), ``.grad`` and the random state
+are as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gpipe import microbatch
+from lightning_gpipe.rng import isolated_rng
+
+__all__ = ["COST_KINDS", "LayerCosts", "capture_input", "profile_layers", "sample_micro_batch", "state_bytes"]
+
+#: The measured costs a split can balance, besides an explicit list.
+COST_KINDS = ("params", "time", "memory")
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What each layer of a Sequential costs; every list has one entry per layer.
+
+    ``time`` is the median over repeats of one forward plus one backward on a micro-batch, in
+    seconds. ``memory`` is :attr:`state_bytes` (parameters, gradients, optimizer state) plus
+    :attr:`activation_bytes` (what the forward saves for the backward, for one micro-batch).
+
+    >>> costs = LayerCosts(params=[10, 0], time=[2.0, 1.0], state_bytes=[160, 0], activation_bytes=[40, 40])
+    >>> costs.of("memory"), costs.of("params")
+    ([200.0, 40.0], [10.0, 0.0])
+    """
+
+    params: list[int]
+    time: list[float]
+    state_bytes: list[int]
+    activation_bytes: list[int]
+
+    @property
+    def memory(self) -> list[float]:
+        return [float(s + a) for s, a in zip(self.state_bytes, self.activation_bytes)]
+
+    def of(self, kind: str) -> list[float]:
+        """The cost vector named ``kind``: ``"params"``, ``"time"`` or ``"memory"``."""
+        if kind not in COST_KINDS:
+            raise ValueError(f"Unknown cost {kind!r}; choose one of {COST_KINDS}.")
+        values = self.memory if kind == "memory" else getattr(self, kind)
+        return [float(v) for v in values]
+
+
+def state_bytes(layer: nn.Module, optimizer_states: float = 2.0) -> int:
+    """Bytes of a layer's parameters and buffers, and of a gradient and ``optimizer_states`` states per trainable one.
+
+    The optimizer does not exist yet when the split is chosen (Lightning builds it for the local
+    stage only), so its state is assumed: 2 tensors the size of each parameter is Adam and AdamW
+    (``exp_avg``, ``exp_avg_sq``); SGD with momentum keeps 1, plain SGD 0.
+    """
+    total = sum(b.numel() * b.element_size() for b in layer.buffers())
+    for p in layer.parameters():
+        size = p.numel() * p.element_size()
+        total += size * (1 + (1 + optimizer_states) * p.requires_grad)
+    return int(total)
+
+
+def sample_micro_batch(batch: Any, chunks: int) -> Any:
+    """The first micro-batch of ``batch`` cut into ``chunks`` (or fewer, if it is smaller), as fresh tensors.
+
+    Fresh tensors own their memory, so the first layer's saved input is counted at the micro-batch's
+    size, not at the size of the batch it was cut from.
+
+    >>> sample_micro_batch(torch.zeros(10, 3), 4).shape
+    torch.Size([3, 3])
+    """
+    first = microbatch.scatter(batch, min(chunks, microbatch.batch_size(batch)))[0]
+    return microbatch.map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), first)
+
+
+class _Captured(BaseException):
+    # A BaseException, so that a user's `except Exception` between the call and the backbone does not swallow it.
+    pass
+
+
+def capture_input(target: nn.Module, run: Callable[[], Any], owner: Optional[nn.Module] = None) -> Any:
+    """The input that ``run()`` passes to ``target``; ``target`` and whatever comes after it do not run.
+
+    This finds what a backbone receives from code around it (a ``training_step``, a stem) without
+    running the backbone, which may not fit on one device. The buffers of ``owner`` (say the
+    LightningModule: a stem's BatchNorm statistics) and the random state are put back afterwards.
+    Returns detached tensors that keep their ``requires_grad``; raises ``LookupError`` if ``run``
+    returns without calling ``target``.
+    """
+    box: dict[str, Any] = {}
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        values = (*args, *kwargs.values())
+        box["input"] = values[0] if len(values) == 1 else values
+        raise _Captured
+
+    inside = {id(b) for b in target.buffers()}
+    saved = [(b, b.detach().clone()) for b in (owner.buffers() if owner is not None else ()) if id(b) not in inside]
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with isolated_rng(torch.device("cpu")):
+            run()
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+    if "input" not in box:
+        raise LookupError("the code ran to the end without calling the backbone")
+    return microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), box["input"])
+
+
+def profile_layers(module: nn.Sequential, sample: Any, device: Union[torch.device, str, None] = None, *,
+                   repeats: int = 5, optimizer_states: float = 2.0,
+                   context: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> LayerCosts:
+    """Measure every layer of ``module`` on ``device`` (default: the CPU), one layer there at a time.
+
+    ``sample`` is the backbone's input for one micro-batch; each layer gets the previous layer's
+    output. The layers are swept ``1 + repeats`` times in order, each layer moved to ``device`` for
+    its forward plus backward and moved back: the first sweep counts the saved activations and
+    warms up, the median of the others is the time. ``context`` wraps each forward (an autocast,
+    for mixed precision). A layer that fails raises ``RuntimeError`` naming its index and type.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"profile_layers measures an nn.Sequential, got {type(module).__name__}.")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"`repeats` must be a positive integer, got {repeats!r}.")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    times: list[list[float]] = [[] for _ in module]
+    activations = [0] * len(module)
+    # Whole sweeps, not repeats of one layer in a row: each layer then meets the caches and the
+    # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
+    with isolated_rng(device), torch.enable_grad():
+        for sweep in range(1 + repeats):
+            x = microbatch.map_tensors(lambda t: t.detach().to(device).requires_grad_(t.requires_grad), sample)
+            input_saved = [False] * len(microbatch.tensors(x))  # which inputs the layer before saved (and counted)
+            for index, layer in enumerate(module):
+                try:
+                    x, seconds, activation, input_saved = _profile_layer(layer, x, input_saved, device, context)
+                except Exception as error:
+                    raise RuntimeError(
+                        f"Profiling layer {index} ({type(layer).__name__}) of the backbone failed with "
+                        f"{type(error).__name__}: {error}. Fix the layer, or give the split explicitly with `balance`."
+                    ) from error
+                if sweep == 0:
+                    activations[index] = activation
+                else:
+                    times[index].append(seconds)
+    params = [sum(p.numel() for p in layer.parameters()) for layer in module]
+    states = [state_bytes(layer, optimizer_states) for layer in module]
+    return LayerCosts(params, [statistics.median(t) for t in times], states, activations)
+
+
+def _device_of(layer: nn.Module) -> Optional[torch.device]:
+    for tensor in [*layer.parameters(), *layer.buffers()]:
+        return tensor.device
+    return None
+
+
+def _storage(t: Tensor) -> tuple[int, int]:
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors have no plain storage
+        return id(t), t.numel() * t.element_size()
+
+
+def _profile_layer(layer: nn.Module, x: Any, input_saved: list[bool], device: torch.device,
+                   context: Callable[[], ContextManager[Any]]) -> tuple[Any, float, int, list[bool]]:
+    """One forward and backward of one layer on ``device``: (its output, seconds, activation bytes, saved outputs)."""
+    home = _device_of(layer)
+    buffers = [(b, b.detach().clone()) for b in layer.buffers()]
+    layer.to(device)
+    try:
+        own = {_storage(t)[0] for t in [*layer.parameters(), *layer.buffers()]}
+        counted = own | {_storage(t)[0] for t, saved in zip(microbatch.tensors(x), input_saved) if saved}
+        saved: dict[int, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            pointer, size = _storage(t)
+            if pointer not in counted:
+                saved[pointer] = size
+            return t
+
+        _synchronize(device)
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = _forward_backward(layer, x, context)
+        _synchronize(device)
+        seconds = time.perf_counter() - start
+        outputs_saved = [_storage(t)[0] in saved for t in microbatch.as_tuple(y)]
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        if home is not None:
+            layer.to(home)
+    y = microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), y)
+    return y, seconds, sum(saved.values()), outputs_saved
+
+
+def _forward_backward(layer: nn.Module, x: Any, context: Callable[[], ContextManager[Any]]) -> Any:
+    # torch.autograd.grad, not backward(): the parameters' .grad must stay as it was.
+    with context():
+        y = layer(x)
+    outputs = [t for t in microbatch.as_tuple(y) if t.requires_grad]
+    wrt = [t for t in microbatch.tensors(x) if t.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
+    if outputs and wrt:
+        torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
+    return y
+
+
+def _synchronize(device: torch.device) -> None:
+    # Kernels run asynchronously on accelerators; a timer must wait for them.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize(device)

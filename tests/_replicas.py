@@ -1,0 +1,88 @@
+"""Workers for the data-parallel tests: 2 replicas of a 2-stage pipeline, and pipe_size=1 against DDP."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+import _models as M
+
+STEPS, BATCH = 5, 8  # per replica; 20 samples a replica: batches of 8, 8, 4, so 5 steps cross an epoch
+
+
+def _fit(strategy: Any, devices: int, max_steps: int = STEPS, ckpt_path: str | None = None, save_every: int = 0,
+         directory: str = "", **model: Any) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    net = M.Net(**model)
+    callbacks = [ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every,
+                                 save_top_k=-1)] if save_every else []
+    trainer = L.Trainer(strategy=strategy, devices=devices,
+                        **M.trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(callbacks)))
+    trainer.fit(net, M.loader(batch_size=BATCH))
+    if ckpt_path is not None:
+        raise AssertionError("use _resume")
+    return {"weights": {k: v.clone() for k, v in net.state_dict().items()},
+            "grads": {k: v.clone() for k, v in net.first_grads.items()},
+            "losses": list(net.losses), "logged": float(trainer.callback_metrics["train_loss"])}
+
+
+def _resume(strategy: Any, devices: int, ckpt_path: str, max_steps: int, **model: Any) -> dict[str, Any]:
+    L.seed_everything(1, verbose=False)
+    net = M.Net(**model)
+    trainer = L.Trainer(strategy=strategy, devices=devices, **M.trainer_kwargs(max_steps=max_steps))
+    trainer.fit(net, M.loader(batch_size=BATCH), ckpt_path=ckpt_path)
+    return {"weights": {k: v.clone() for k, v in net.state_dict().items()}}
+
+
+def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    from lightning_gpipe import GPipeStrategy
+
+    def gpipe(**kwargs: Any) -> GPipeStrategy:
+        return GPipeStrategy(pipe_size=2, chunks=2, **kwargs)
+
+    out: dict[str, Any] = {"2x2": _fit(gpipe(), 4, sync_dist=True)}
+    trainer = L.Trainer(strategy=gpipe(), devices=4, **M.trainer_kwargs(max_steps=1))
+    trainer.fit(M.Net(), M.loader(batch_size=BATCH))
+    out["sum over replicas"] = float(trainer.strategy.reduce(torch.tensor(float(rank)), reduce_op="sum"))
+    out["pipe_size=1"] = _fit(GPipeStrategy(pipe_size=1, chunks=2), 4, optimizer="adam")
+    out["ddp"] = _fit(DDPStrategy(), 4, optimizer="adam")
+    for kind in ("full", "sharded"):
+        where = os.path.join(directory, kind)
+        out[f"straight {kind}"] = _fit(gpipe(), 4, max_steps=8, optimizer="adam", dropout=0.2)
+        _fit(gpipe(state_dict_type=kind), 4, max_steps=3, save_every=3, directory=where, optimizer="adam", dropout=0.2)
+        out[f"resumed {kind}"] = _resume(gpipe(state_dict_type=kind), 4, os.path.join(where, "step=3.ckpt"), 8,
+                                         optimizer="adam", dropout=0.2)
+    out["files"] = {kind: sorted(os.listdir(os.path.join(directory, kind))) for kind in ("full", "sharded")}
+    return out
+
+
+def global_batches(replica_count: int = 2) -> list[list[int]]:
+    """The samples of each step of the 2 x 2 run, both replicas together: what one device must see."""
+    dataset = M.dataset()
+    steps: list[list[int]] = []
+    epoch = 0
+    while len(steps) < STEPS:
+        per_replica = []
+        for r in range(replica_count):
+            sampler = DistributedSampler(dataset, num_replicas=replica_count, rank=r, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            per_replica.append(list(BatchSampler(sampler, BATCH, drop_last=False)))
+        steps += [sum(batches, []) for batches in zip(*per_replica)]
+        epoch += 1
+    return steps[:STEPS]
+
+
+def one_device_on_the_global_batch() -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    net = M.Net()
+    loader = DataLoader(M.dataset(), batch_sampler=global_batches())
+    trainer = L.Trainer(devices=1, **M.trainer_kwargs(max_steps=STEPS))
+    trainer.fit(net, loader)
+    return {"weights": {k: v.clone() for k, v in net.state_dict().items()},
+            "grads": {k: v.clone() for k, v in net.first_grads.items()}, "losses": list(net.losses)}

@@ -1,0 +1,142 @@
+"""Workers for the checkpoint tests: stop, save, resume, re-partition, and fail while saving."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+import _models as M
+
+STEPS = 8  # 5 batches an epoch: runs cross an epoch boundary
+RANDOM = {"dropout": 0.3, "head_dropout": 0.2, "scheduler": True}  # dropout in and outside the pipe, a scheduler
+
+
+def _trainer(devices: int, strategy: dict, max_steps: int, callbacks=(), **kwargs) -> L.Trainer:
+    from lightning_gpipe import GPipeStrategy
+
+    return L.Trainer(strategy=GPipeStrategy(chunks=2, **strategy), devices=devices,
+                     **M.trainer_kwargs(max_steps=max_steps, callbacks=list(callbacks),
+                                        enable_checkpointing=bool(callbacks), **kwargs))
+
+
+def _weights(model: L.LightningModule) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run(devices: int, optimizer: str, shuffle: bool = True, strategy: dict | None = None, random: bool = True,
+        max_steps: int = STEPS, ckpt_path: str | None = None, save_every: int = 0, directory: str = "",
+        seed: int = 0) -> dict[str, Any]:
+    """Train (or resume) and return the weights; ``save_every`` keeps a checkpoint every that many steps."""
+    L.seed_everything(seed, verbose=False)
+    model = M.Net(optimizer, **(RANDOM if random else {}))
+    callbacks = []
+    if save_every:
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every,
+                                         save_top_k=-1))
+    trainer = _trainer(devices, strategy or {}, max_steps, callbacks)
+    trainer.fit(model, M.loader(shuffle=shuffle), ckpt_path=ckpt_path)
+    return {"weights": _weights(model), "losses": list(model.losses)}
+
+
+def save_for_repartition(rank: int, world_size: int, directory: str) -> None:
+    """K stages write step-3 checkpoints (mid-epoch), full and sharded, for another K to resume."""
+    for kind in ("full", "sharded"):
+        run(world_size, "adam", strategy={"state_dict_type": kind}, max_steps=3, save_every=3,
+            directory=os.path.join(directory, f"{kind}-k{world_size}"))
+
+
+def resume_everything(rank: int, world_size: int, directory: str, one_device_ckpt: str) -> dict[str, Any]:
+    """On K stages: uninterrupted runs, then stop-and-resume at mid-epoch and epoch-end, same and other K."""
+    out: dict[str, Any] = {}
+    for optimizer in ("sgd", "adam"):
+        out[f"straight {optimizer}"] = run(world_size, optimizer)
+        for stop in (3, 5):
+            where = os.path.join(directory, f"{optimizer}-{stop}")
+            run(world_size, optimizer, max_steps=stop, save_every=stop, directory=where)
+            # a different seed: everything that matters must come from the checkpoint
+            out[f"resumed {optimizer} at {stop}"] = run(world_size, optimizer, seed=1,
+                                                        ckpt_path=os.path.join(where, f"step={stop}.ckpt"))
+    for kind in ("full", "sharded"):
+        path = os.path.join(directory, f"{kind}-k3", "step=3.ckpt")
+        out[f"from k3 {kind}"] = run(world_size, "adam", seed=1, ckpt_path=path,
+                                     strategy={"state_dict_type": kind, "balance": [3, 6]})
+    out["from one device"] = run(world_size, "adam", shuffle=False, random=False, seed=1, ckpt_path=one_device_ckpt)
+    where = os.path.join(directory, "for-one-device")
+    run(world_size, "adam", shuffle=False, random=False, max_steps=5, save_every=5, directory=where)
+    out["for one device"] = os.path.join(where, "step=5.ckpt")
+    return out
+
+
+def one_device(optimizer: str, max_steps: int, ckpt_path: str | None = None, save_every: int = 0,
+               directory: str = "", seed: int = 0) -> dict[str, Any]:
+    """The same training with Lightning's default strategy, without this package's strategy."""
+    L.seed_everything(seed, verbose=False)
+    model = M.Net(optimizer)
+    callbacks = [ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every,
+                                 save_top_k=-1)] if save_every else []
+    trainer = L.Trainer(devices=1, **M.trainer_kwargs(max_steps=max_steps, callbacks=callbacks,
+                                                        enable_checkpointing=bool(callbacks)))
+    trainer.fit(model, M.loader(shuffle=False), ckpt_path=ckpt_path)
+    return {"weights": _weights(model)}
+
+
+# -- failures ------------------------------------------------------------------------------------------------
+
+
+class Sabotage(torch.nn.Module):
+    """At its third call on ``rank``: kill the process, or freeze it (SIGSTOP), mid-step."""
+
+    def __init__(self, rank: int, how: str) -> None:
+        super().__init__()
+        self.rank, self.how, self.calls = rank, how, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if int(os.environ["RANK"]) == self.rank and self.calls == 3:
+            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
+        return x
+
+
+def sabotaged_fit(rank: int, world_size: int, victim: int, how: str) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    balance = [2, 3, 2][:world_size] if world_size == 3 else [4, 3]
+    model.backbone.insert(sum(balance[:victim + 1]), Sabotage(victim, how))
+    balance[victim] += 1
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, balance=balance, failure_timeout=3.0, watchdog_grace=2.0),
+                        devices=world_size, **M.trainer_kwargs(max_steps=20))
+    trainer.fit(model, M.loader())
+
+
+class CrashingIO(TorchCheckpointIO):
+    """Writes half of the second checkpoint, then the process dies: a crash during a save."""
+
+    saves = 0
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        CrashingIO.saves += 1
+        if CrashingIO.saves == 2:
+            with open(path, "wb") as f:
+                f.write(b"half a checkpoint")
+            os._exit(1)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def crash_while_saving(rank: int, world_size: int, directory: str) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    callback = ModelCheckpoint(dirpath=directory, filename="last", every_n_train_steps=2,
+                               enable_version_counter=False)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, failure_timeout=5.0, watchdog_grace=2.0), devices=world_size,
+                        plugins=[CrashingIO()], **M.trainer_kwargs(max_steps=6, callbacks=[callback],
+                                                                    enable_checkpointing=True))
+    trainer.fit(M.Net(), M.loader())

@@ -1,0 +1,54 @@
+"""Pipeline x data parallel: 2 replicas of a 2-stage pipeline over 4 real processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _replicas as R
+from _launch import run_ok
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ok(R.replicas, 4, str(tmp_path_factory.mktemp("replicas")), timeout=600)
+
+
+def _close(got, expected, atol=1e-6):
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_two_replicas_of_two_stages_equal_one_device_on_the_global_batch(runs):
+    reference = R.one_device_on_the_global_batch()
+    for rank in range(4):
+        _close(runs[rank]["2x2"]["weights"], reference["weights"])
+    grads = {**runs[0]["2x2"]["grads"], **runs[1]["2x2"]["grads"]}  # stage 0 and stage 1 of replica 0
+    _close(grads, reference["grads"])
+    # each replica trains on its own half: the two pipelines logged different losses...
+    assert runs[0]["2x2"]["losses"] != runs[2]["2x2"]["losses"]
+    # ...whose mean is the loss of the global batch
+    mean = [(a + b) / 2 for a, b in zip(runs[0]["2x2"]["losses"], runs[2]["2x2"]["losses"])]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(reference["losses"]), atol=1e-6, rtol=0)
+
+
+def test_logged_metrics_are_reduced_over_the_replicas_not_the_stages(runs):
+    last = (runs[0]["2x2"]["losses"][-1] + runs[2]["2x2"]["losses"][-1]) / 2
+    for rank in range(4):
+        assert runs[rank]["2x2"]["logged"] == pytest.approx(last, abs=1e-6)  # self.log(..., sync_dist=True)
+        assert runs[rank]["sum over replicas"] == (0 + 2 if rank % 2 == 0 else 1 + 3)  # stage k: ranks k and k+2
+
+
+def test_pipe_size_1_is_lightnings_ddp(runs):
+    for rank in range(4):
+        _close(runs[rank]["pipe_size=1"]["weights"], runs[rank]["ddp"]["weights"])
+        _close(runs[rank]["pipe_size=1"]["weights"], runs[0]["ddp"]["weights"])
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_checkpoint_and_exact_resume_in_the_2x2_layout(runs, kind):
+    for rank in range(4):
+        _close(runs[rank][f"resumed {kind}"]["weights"], runs[0][f"straight {kind}"]["weights"], atol=0)
+    files = runs[0]["files"][kind]
+    assert files == ["step=3.ckpt"]
