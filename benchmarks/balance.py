@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_gpipe import GPipeStrategy  # noqa: E402
-from lightning_gpipe.partition import balance_by_params, stage_costs  # noqa: E402
+from lightning_gpipe.partition import stage_costs  # noqa: E402
 
 WARMUP_STEPS = 3
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections import OrderedDict
 
 import lightning as L
 import torch

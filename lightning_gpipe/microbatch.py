@@ -78,7 +78,8 @@ def split_sizes(size: int, chunks: int) -> list[int]:
     if size < chunks:
         raise ValueError(
             f"The batch has {size} samples but `chunks={chunks}` micro-batches were asked for; every micro-batch needs "
-            f"at least one sample. Use a batch size of at least {chunks}, or lower `chunks` (GPipeStrategy(chunks=...))."
+            f"at least one sample. Use a batch size of at least {chunks} (for a short last batch, "
+            f"DataLoader(drop_last=True)), or lower `chunks` (GPipeStrategy(chunks=...))."
         )
     base, extra = divmod(size, chunks)
     return [base + 1 if i < extra else base for i in range(chunks)]
