@@ -69,6 +69,7 @@ class Net(L.LightningModule):
             self.first_grads = {n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None}
 
     def configure_optimizers(self):
+        self.optimized = [n for n, _ in self.named_parameters()]  # what the optimizer is given on this rank
         if self.optimizer_name == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
         else:
@@ -94,4 +95,5 @@ def fit_record(model: Net, trainer: L.Trainer, data: DataLoader) -> dict:
         "losses": list(model.losses),
         "grads": {k: v.cpu() for k, v in model.first_grads.items()},
         "weights": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "optimized": list(model.optimized),
     }

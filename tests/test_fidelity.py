@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import _models as M
 import _sweeps
 
 
@@ -31,6 +32,19 @@ def assert_same_training(runs, name, reference, atol):
     for key, value in reference["grads"].items():
         torch.testing.assert_close(grads[key].float(), value.float(), atol=atol, rtol=0,
                                    msg=lambda m: f"{name}, first-step gradient of {key}: {m}")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_each_rank_optimizes_only_its_stage_and_the_layers_outside_the_backbone(stages, pipeline_runs):
+    everything = [n for n, _ in M.Net().named_parameters()]
+    optimized = [set(rank_results[_sweeps.matrix()[0].name]["optimized"]) for rank_results in pipeline_runs(stages)]
+    stage_params = [{n for n in names if n.startswith("backbone.")} for names in optimized]
+    assert all(stage_params)  # with the default split, every stage has parameters of its own
+    assert sum(len(s) for s in stage_params) == len(set.union(*stage_params))  # no layer on two ranks
+    assert set.union(*optimized) == set(everything)
+    for names in optimized:
+        assert {n for n in names if not n.startswith("backbone.")} == {n for n in everything
+                                                                          if not n.startswith("backbone.")}
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -61,10 +75,10 @@ def test_bf16_mixed_precision_tracks_the_one_device_run(stages, pipeline_runs, r
     config = next(c for c in _sweeps.EXTRAS if c.name == "bf16-mixed")
     reference = reference_run(config)
     got = pipeline_runs(stages)[0][config.name]
-    # bf16 rounds differently per micro-batch than per batch: agreement to bf16 precision, not to 1e-6
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), atol=2e-2, rtol=0)
+    # bf16 rounds differently per micro-batch than per batch: measured 1.5e-4 (loss) and 2.5e-4 (weights)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), atol=2e-3, rtol=0)
     for key, value in reference["weights"].items():
-        torch.testing.assert_close(got["weights"][key], value, atol=2e-2, rtol=0)
+        torch.testing.assert_close(got["weights"][key], value, atol=2e-3, rtol=0)
 
 
 def test_dropout_gives_identical_weights_for_one_two_and_three_stages(pipeline_runs):
