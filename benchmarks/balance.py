@@ -34,6 +34,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_gpipe import GPipeStrategy  # noqa: E402
 from lightning_gpipe.partition import stage_costs  # noqa: E402
+from lightning_gpipe.timer import COMPUTE  # noqa: E402
+from _common import leave_together  # noqa: E402
 
 WARMUP_STEPS = 3
 
@@ -73,14 +75,18 @@ class StageClock(L.Callback):
         self._measuring = False
         self._start = 0.0
 
-    def _trace(self, kind: str, micro: int, start: float, end: float) -> None:
-        if self._measuring:
-            self.busy["wait" if kind == "wait" else "compute"] += end - start
+    # the engine's tracer protocol (lightning_gpipe.timer.Tracer): a stamp at the start of a pass, the sum at its end
+    def start(self, kind: str) -> float:
+        return time.perf_counter()
+
+    def stop(self, kind: str, micro: int, token: float) -> None:
+        if self._measuring and (kind == "wait" or kind in COMPUTE):  # not "fill" and "drain", which hold the others
+            self.busy["wait" if kind == "wait" else "compute"] += time.perf_counter() - token
 
     def on_train_start(self, trainer, pl_module) -> None:
         pipe = trainer.strategy.pipe
         self.balance = list(pipe.balance)
-        pipe.runner.tracer = self._trace
+        pipe.tracer = self
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._measuring = trainer.global_step >= WARMUP_STEPS
@@ -136,8 +142,14 @@ def main() -> None:
     for round_ in range(args.rounds):  # rotate the order, so that drift in the machine's load hits every split
         for name in names[round_ % 3:] + names[:round_ % 3]:
             runs[name].append(run(splits[name], args))
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) != 0:
-        return
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0:
+        report(args, names, runs, layers, load_before)
+    leave_together()
+
+
+def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict[str, Any]]], layers: int,
+           load_before: float) -> None:
+    """Rank 0: the markdown table and the JSON file."""
     profile = runs["time"][0]["layer_seconds"]  # what the first balance="time" run measured
     model = backbone()
     params = [float(sum(p.numel() for p in layer.parameters())) for layer in model]

@@ -38,6 +38,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe import GPipeStrategy, PipelineMonitor, StageTimer
 
+from _common import leave_together
+
 PER_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
 ONE_OFF_HOOKS = ("on_fit_start", "on_train_end")
 
@@ -162,8 +164,13 @@ def main() -> None:
                         "self_cpu_fraction": statistics.median(c for c, _, _ in own),
                         "self_wall_fraction": statistics.median(w for _, w, _ in own),
                         "one_off_s": statistics.median(s for _, _, s in own), "runs": runs})
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        report(args, results)
+    leave_together()
+
+
+def report(args, results: list[dict]) -> None:
+    """Rank 0: the markdown table and the JSON file."""
     setup = (f"K={args.devices} stages, M={args.chunks} micro-batches, CNN width {args.width}, batch "
              f"{args.batch_size}, {args.steps} steps ({args.warmup} warm-up), {args.repeats} repeats, 1 thread/process")
     print(f"\nPipelineMonitor overhead ({setup})\n")

@@ -1,0 +1,182 @@
+"""Peers: the same model, K and M under this package and under the alternatives a user would weigh, in one run.
+
+    python benchmarks/peers.py                                # K=2, M=8 on CPU here
+    python benchmarks/peers.py --stages 4 --chunks 16 --models transformer
+
+Rows, all on the same batch with an SGD step:
+
+- ``gpipe`` engine (``GPipe``, no Lightning) with ``checkpoint="never"`` (like for like with
+  ``torch.distributed.pipelining``, which does not re-materialize) and with the default
+  ``"except_last"``; and ``Trainer(strategy=GPipeStrategy(...))``;
+- ``torch.distributed.pipelining`` ``ScheduleGPipe`` and ``Schedule1F1B``, on the same split;
+- one process holding the whole model, with 1 thread and with K threads (no micro-batching);
+- Lightning's DDP with K processes, each on batch/K samples.
+
+Pipelines run one process per stage with one thread each. The variants run in one set of processes
+per layout, in alternating order over ``--rounds`` rounds; each keeps its fastest round.
+Prints a markdown table per model and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+import _common as C
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Unpacked(nn.Module):
+    """A stage for ``torch.distributed.pipelining``, which calls a stage with a tuple input unpacked."""
+
+    def __init__(self, layers: nn.Sequential) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.layers(args[0] if len(args) == 1 else args)
+
+
+def pipelining_step(workload: C.Workload, schedule: str, stages: int, chunks: int, batch_size: int,
+                    device: torch.device, split: list[int]) -> Callable[[], None]:
+    """One training step of the same split under ``torch.distributed.pipelining``."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    start = sum(split[:rank])
+    module = Unpacked(nn.Sequential(*list(workload.build())[start:start + split[rank]])).to(device)
+    stage = PipelineStage(module, rank, stages, device)
+    runner = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[schedule](
+        stage, n_microbatches=chunks, loss_fn=F.cross_entropy)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    x, y = workload.batch(batch_size, device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            runner.step(x)
+        elif rank == stages - 1:
+            runner.step(target=y, losses=[])
+        else:
+            runner.step()
+        optimizer.step()
+
+    return step
+
+
+def single_step(workload: C.Workload, batch_size: int, device: torch.device) -> Callable[[], None]:
+    """One training step of the whole model in one process: no pipeline, no micro-batches."""
+    torch.manual_seed(0)
+    model = workload.build().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = workload.batch(batch_size, device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def pipeline_worker(rank: int, world: int, args: argparse.Namespace, round_: int) -> list[dict]:
+    """Every multi-process variant, in this round's order."""
+    from lightning_gpipe import GPipeStrategy
+
+    device = C.device_for(rank, args.device)
+    C.init_group(device)
+    rows = []
+    for workload in C.workloads(args.models, args):
+        split = C.pipeline_balance(workload, world, max(1, args.batch_size // args.chunks), device)
+        variants: list[tuple[str, Callable[[], float]]] = []
+        for mode in ("never", "except_last"):
+            def engine(mode: str = mode) -> float:
+                pipe, step = C.gpipe_step(workload, args.chunks, mode, args.batch_size, device, split)
+                try:
+                    return C.step_seconds(step, device, args.warmup, args.steps)
+                finally:
+                    pipe.close()
+            variants.append((f"gpipe engine, checkpoint={mode}", engine))
+        variants.append(("gpipe Trainer, checkpoint=except_last", lambda: C.lightning_step_seconds(
+            workload, GPipeStrategy(balance=split, chunks=args.chunks), world, args.batch_size, device,
+            args.warmup, args.steps)))
+        for schedule in ("ScheduleGPipe", "Schedule1F1B"):
+            variants.append((f"torch.distributed.pipelining {schedule}", lambda s=schedule: C.step_seconds(
+                pipelining_step(workload, s, world, args.chunks, args.batch_size, device, split), device,
+                args.warmup, args.steps)))
+        variants.append((f"Lightning DDP, {world} processes", lambda: C.lightning_step_seconds(
+            workload, "ddp", world, args.batch_size, device, args.warmup, args.steps)))
+        if round_ % 2:
+            variants.reverse()
+        for name, measure in variants:
+            seconds = measure()
+            rows.append({"model": workload.name, "describe": workload.describe, "variant": name,
+                         "processes": world, "threads": 1, "step_s": seconds})
+    return rows
+
+
+def single_worker(rank: int, world: int, args: argparse.Namespace, threads: int) -> list[dict]:
+    device = C.device_for(rank, args.device)
+    rows = []
+    for workload in C.workloads(args.models, args):
+        seconds = C.step_seconds(single_step(workload, args.batch_size, device), device, args.warmup, args.steps)
+        rows.append({"model": workload.name, "describe": workload.describe,
+                     "variant": f"one process, {threads} thread{'s' * (threads > 1)}",
+                     "processes": 1, "threads": threads, "step_s": seconds})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=C.default_device())
+    parser.add_argument("--stages", type=int, default=2, help="K: stages, processes, and threads of the one process")
+    parser.add_argument("--chunks", type=int, default=8, help="M: micro-batches")
+    parser.add_argument("--models", nargs="+", default=["amoebanet", "transformer"],
+                        choices=["amoebanet", "transformer"])
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default=C.default_out("peers"))
+    C.add_workload_arguments(parser)
+    args = parser.parse_args()
+    if args.stages < 2:
+        parser.error("--stages must be at least 2: the peers are pipelines and data parallelism")
+
+    best: dict[tuple, dict] = {}
+    for round_ in range(args.rounds):
+        runs = [lambda: C.launch(pipeline_worker, args.stages, args, round_)[0],
+                lambda: C.launch(single_worker, 1, args, 1, threads=1)[0],
+                lambda: C.launch(single_worker, 1, args, args.stages, threads=args.stages)[0]]
+        for run in (runs if round_ % 2 == 0 else runs[::-1]):
+            for row in run():
+                key = (row["model"], row["variant"])
+                if key not in best or row["step_s"] < best[key]["step_s"]:
+                    best[key] = row
+
+    info = C.machine(args.device)
+    print(f"\nPeers at K={args.stages}, M={args.chunks}, batch {args.batch_size}, {args.device}, best of {args.rounds} "
+          f"rounds of {args.steps} steps\n{C.describe(info)}")
+    for model in args.models:
+        rows = [r for r in best.values() if r["model"] == model]
+        ours = best[(model, "gpipe engine, checkpoint=never")]["step_s"]
+        alone = best[(model, "one process, 1 thread")]["step_s"]
+        for r in rows:
+            r["samples_per_s"] = args.batch_size / r["step_s"]
+            r["vs_gpipe_never"] = ours / r["step_s"]
+            r["vs_one_thread"] = alone / r["step_s"]
+        print(f"\n{rows[0]['describe']}\n")
+        print(C.markdown(["variant", "processes x threads", "step ms", "samples/s", "throughput / gpipe engine (never)",
+                          "throughput / one process, 1 thread"],
+                         [[r["variant"], f"{r['processes']} x {r['threads']}", f"{1e3 * r['step_s']:.1f}",
+                           f"{r['samples_per_s']:.1f}", f"{r['vs_gpipe_never']:.2f}", f"{r['vs_one_thread']:.2f}"]
+                          for r in sorted(rows, key=lambda r: r["step_s"])]))
+    C.write_json(args.out, {"machine": info, "args": vars(args), "rows": list(best.values())})
+
+
+if __name__ == "__main__":
+    main()

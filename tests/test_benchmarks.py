@@ -1,0 +1,84 @@
+"""Every benchmark runs end to end at a tiny size and writes the JSON its tables come from.
+
+No timing is asserted here (timings belong to the benchmarks themselves); these tests keep the
+scripts from rotting as the package changes: each one runs as a user runs it, in real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from _scripts import run_script
+
+TINY = ["--device", "cpu", "--amoebanet-layers", "3", "--amoebanet-filters", "8", "--image", "8", "--blocks", "2",
+        "--width", "16", "--sequence", "4", "--batch-size", "8", "--warmup", "0", "--steps", "1"]
+MODELS = ("amoebanet", "transformer")
+
+
+def _run(tmp_path, script: str, *args: str) -> tuple[str, dict]:
+    path = tmp_path / f"{script}.json"
+    output = run_script(f"benchmarks/{script}.py", *args, "--out", str(path), timeout=400)
+    return output, json.loads(path.read_text())
+
+
+def test_speed_has_a_cell_per_model_stage_count_and_micro_batch_count_beside_its_bubble_bound(tmp_path):
+    output, result = _run(tmp_path, "speed", *TINY, "--stages", "1", "2", "--chunks", "1", "4", "--rounds", "1")
+    cells = {(c["model"], c["stages"], c["chunks"]): c for c in result["cells"]}
+    assert set(cells) == {(m, k, c) for m in MODELS for k in (1, 2) for c in (1, 4)}
+    for (model, k, m), cell in cells.items():
+        assert cell["bubble_bound"] == m / (m + k - 1)
+        assert cell["speedup"] > 0 and math.isclose(cell["efficiency"], cell["speedup"] / k)
+        assert sum(cell["balance"]) == {"amoebanet": 7, "transformer": 3}[model] and len(cell["balance"]) == k
+    assert cells[("amoebanet", 1, 1)]["speedup"] == 1.0  # K=1 is the unit
+    assert "| M | K=1 samples/s | K=2 speed-up |" in output and "GPipe's measure" in output
+
+
+def test_peers_measure_every_alternative_on_the_same_model(tmp_path):
+    output, result = _run(tmp_path, "peers", *TINY, "--stages", "2", "--chunks", "2", "--rounds", "1")
+    variants = {"gpipe engine, checkpoint=never", "gpipe engine, checkpoint=except_last",
+                "gpipe Trainer, checkpoint=except_last", "torch.distributed.pipelining ScheduleGPipe",
+                "torch.distributed.pipelining Schedule1F1B", "one process, 1 thread", "one process, 2 threads",
+                "Lightning DDP, 2 processes"}
+    for model in MODELS:
+        rows = {r["variant"]: r for r in result["rows"] if r["model"] == model}
+        assert set(rows) == variants
+        assert rows["gpipe engine, checkpoint=never"]["vs_gpipe_never"] == 1.0
+        assert all(r["step_s"] > 0 for r in rows.values())
+    assert "torch.distributed.pipelining Schedule1F1B" in output
+
+
+def test_memory_reports_every_mode_and_k_and_the_largest_model_under_the_cap(tmp_path):
+    _, result = _run(tmp_path, "memory", "--device", "cpu", "--stages", "1", "2", "--chunks", "2", "--batch-size", "8",
+                     "--amoebanet-layers", "3", "--amoebanet-filters", "8", "--image", "8", "--largest-filters", "8",
+                     "--largest-image", "8", "--largest-batch", "4", "--largest-chunks", "2", "--max-layers", "12",
+                     "--cap-mib", "100000")
+    assert {(r["stages"], r["checkpoint"]) for r in result["by_mode"]} == {
+        (k, m) for k in (1, 2) for m in ("never", "except_last", "always")}
+    assert all(len(r["peaks"]) == r["stages"] and r["peak"] == max(r["peaks"]) for r in result["by_mode"])
+    rows = {(r["stages"], r["chunks"], r["checkpoint"]): r for r in result["largest"]}
+    assert set(rows) == {(1, 1, "never"), (1, 2, "always"), (2, 2, "always")}  # naive-1, pipeline-1, pipeline-2
+    for row in rows.values():  # a cap nothing reaches: the search walks up to its limit, and every try fits
+        assert row["best"]["layers"] == 12 and all(t["fits"] for t in row["tried"])
+
+
+def test_overhead_compares_the_trainer_with_the_bare_engine_per_model(tmp_path):
+    output, result = _run(tmp_path, "overhead", *TINY, "--stages", "2", "--chunks", "2", "--repeats", "2")
+    assert [r["model"] for r in result["rows"]] == list(MODELS)
+    for row in result["rows"]:
+        assert len(row["runs"]["engine"]) == len(row["runs"]["trainer"]) == 2
+        assert math.isclose(row["overhead"], row["trainer_step_s"] / row["engine_step_s"] - 1)
+    assert "Trainer over bare engine" in output
+
+
+def test_balance_benchmark_compares_the_uniform_params_and_time_splits(tmp_path):
+    _, result = _run(tmp_path, "balance", "--steps", "1", "--rounds", "1", "--batch-size", "8", "--chunks", "2")
+    assert [r["split"] for r in result["rows"]] == ["uniform", "params", "time"]
+    assert all(r["stage_compute_seconds"][0] > 0 and r["stage_compute_seconds"][1] > 0 for r in result["rows"])
+
+
+def test_monitor_overhead_benchmark_measures_with_and_without_the_monitor(tmp_path):
+    _, result = _run(tmp_path, "monitor_overhead", "--steps", "4", "--warmup", "1", "--repeats", "1",
+                     "--batch-size", "8", "--chunks", "2", "--trace-dir", str(tmp_path))
+    assert [r["log_every_n_steps"] for r in result["results"]] == [50, 1]
+    assert all(r["self_cpu_fraction"] > 0 for r in result["results"])
