@@ -170,7 +170,7 @@ def slowest_rank(seconds: float) -> float:
 
 def pipeline_balance(workload: Workload, stages: int, micro_batch: int, device: torch.device,
                      cost: str = "time") -> list[int]:
-    """The split by measured ``cost`` (as ``balance="time"`` or ``"memory"``): profiled on rank 0, the same everywhere."""
+    """The split by measured ``cost`` (as ``balance="time"`` or ``"memory"``), profiled on rank 0 and broadcast."""
     if stages == 1:
         return [len(workload.build())]
     box: list[Any] = [None]
@@ -186,13 +186,13 @@ def sgd(parameters: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.01)
 
 
-def gpipe_step(workload: Workload, chunks: int, checkpoint: str, batch_size: int,
-               device: torch.device, split: list[int], optimizer_class: Callable[[Any], torch.optim.Optimizer] = sgd,
+def gpipe_step(workload: Workload, chunks: int, checkpoint: str, batch_size: int, device: torch.device,
+               split: list[int], make_optimizer: Callable[[Any], torch.optim.Optimizer] = sgd,
                ) -> tuple[GPipe, Callable[[], None]]:
     """A ``GPipe`` of the workload and one training step of it (the bare engine, no Lightning); SGD by default."""
     torch.manual_seed(0)
     pipe = GPipe(workload.build(), split, chunks=chunks, checkpoint=checkpoint, device=device)
-    optimizer = optimizer_class(pipe.parameters())
+    optimizer = make_optimizer(pipe.parameters())
     x, y = workload.batch(batch_size, device)
 
     def step() -> None:
@@ -227,7 +227,7 @@ def machine(device: str) -> dict[str, Any]:
     return info
 
 
-def describe(info: dict[str, Any]) -> str:
+def describe_machine(info: dict[str, Any]) -> str:
     gpu = f", {info['gpus']} x {info['gpu']}" if "gpu" in info else ""
     return (f"{info['cores']} cores ({info['cpu']}){gpu}; Python {info['python']}, torch {info['torch']}"
             + (f", Lightning {info['lightning']}" if "lightning" in info else ""))
@@ -235,21 +235,10 @@ def describe(info: dict[str, Any]) -> str:
 
 def markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A markdown table: the first column left-aligned, the figures right-aligned."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    rule = ["---"] + ["---:"] * (len(headers) - 1)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(rule) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def leave_together() -> None:
-    """End a benchmark that Lightning launched on every rank at once, its process groups shut down first.
-
-    Lightning's subprocess launcher ends rank 0 when another rank's process ends abnormally, so the
-    other ranks wait here until rank 0 has written its results, and nobody leaves the groups to the
-    interpreter's exit.
-    """
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:

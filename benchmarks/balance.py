@@ -35,7 +35,6 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_gpipe import GPipeStrategy  # noqa: E402
 from lightning_gpipe.partition import stage_costs  # noqa: E402
 from lightning_gpipe.timer import COMPUTE  # noqa: E402
-from _common import leave_together  # noqa: E402
 
 WARMUP_STEPS = 3
 
@@ -144,7 +143,6 @@ def main() -> None:
             runs[name].append(run(splits[name], args))
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0:
         report(args, names, runs, layers, load_before)
-    leave_together()
 
 
 def report(args: argparse.Namespace, names: list[str], runs: dict[str, list[dict[str, Any]]], layers: int,

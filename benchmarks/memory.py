@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import _common as C
 import torch
+import torch.distributed as dist
 
 MIB = 2 ** 20
 
@@ -86,9 +87,7 @@ def stage_peak(workload: C.Workload, chunks: int, checkpoint: str, batch_size: i
     for _ in range(steps):  # the first step creates the gradients and the optimizer state
         step()
     C.synchronize(device)
-    measured = {"peak": peak(device) - before,
-                "params": sum(p.numel() for p in pipe.parameters()),
-                "param_bytes": sum(p.numel() * p.element_size() for p in pipe.parameters())}
+    measured = {"peak": peak(device) - before, "params": sum(p.numel() for p in pipe.parameters())}
     pipe.close()
     del pipe, step
     _release()
@@ -97,8 +96,6 @@ def stage_peak(workload: C.Workload, chunks: int, checkpoint: str, batch_size: i
 
 def worst_stage(measured: dict[str, int]) -> dict[str, Any]:
     """Over every rank: the largest peak, and the parameters of the whole model."""
-    import torch.distributed as dist
-
     every: list[Optional[dict[str, int]]] = [None] * dist.get_world_size()
     dist.all_gather_object(every, measured)
     return {"peak": max(m["peak"] for m in every), "peaks": [m["peak"] for m in every],
@@ -175,7 +172,7 @@ def main() -> None:
     info = C.machine(args.device)
     where = "GPU max allocated" if args.device == "cuda" else "peak resident set above the process baseline"
     print(f"\nPeak memory per stage ({where}), AmoebaNet-D ({args.amoebanet_layers}, {args.amoebanet_filters}), "
-          f"{args.image}x{args.image}, batch {args.batch_size}, M={args.chunks}, Adam\n{C.describe(info)}\n")
+          f"{args.image}x{args.image}, batch {args.batch_size}, M={args.chunks}, Adam\n{C.describe_machine(info)}\n")
     never = {r["stages"]: r["peak"] for r in by_mode if r["checkpoint"] == "never"}
     print(C.markdown(["K", "checkpoint", "largest stage MiB", "every stage MiB", "vs never"],
                      [[r["stages"], r["checkpoint"], f"{r['peak'] / MIB:.1f}",
@@ -194,8 +191,8 @@ def main() -> None:
         rows.append([name, row["stages"], row["chunks"], row["checkpoint"], best["layers"],
                      f"{best['params'] / 1e6:.2f}M", f"{best['peak'] / MIB:.0f}",
                      f"{best['params'] / naive['params']:.2f}x" if naive else ""])
-    print(C.markdown(["", "K", "M", "checkpoint", "largest L", "parameters", "largest stage MiB", "parameters / naive-1"],
-                     rows))
+    print(C.markdown(["", "K", "M", "checkpoint", "largest L", "parameters", "largest stage MiB",
+                      "parameters / naive-1"], rows))
     print("\nL: normal cells (a multiple of 3); the next size up (L+3) exceeded the cap or the search limit.")
     C.write_json(args.out, {"machine": info, "args": vars(args), "by_mode": by_mode, "largest": largest})
 

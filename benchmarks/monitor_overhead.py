@@ -38,8 +38,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe import GPipeStrategy, PipelineMonitor, StageTimer
 
-from _common import leave_together
-
 PER_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
 ONE_OFF_HOOKS = ("on_fit_start", "on_train_end")
 
@@ -166,7 +164,6 @@ def main() -> None:
                         "one_off_s": statistics.median(s for _, _, s in own), "runs": runs})
     if not dist.is_initialized() or dist.get_rank() == 0:
         report(args, results)
-    leave_together()
 
 
 def report(args, results: list[dict]) -> None:

@@ -72,7 +72,7 @@ def main() -> None:
     info = C.machine(args.device)
     print(f"\nTrainer over bare engine at K={args.stages}, M={args.chunks}, checkpoint={args.checkpoint!r}, batch "
           f"{args.batch_size}, {args.device}, median of {args.repeats} fits of {args.steps} steps each\n"
-          f"{C.describe(info)}\n")
+          f"{C.describe_machine(info)}\n")
     print(C.markdown(["model", "engine step ms", "Trainer step ms", "overhead", "Trainer runs ms", "engine runs ms"],
                      [[r["describe"], f"{1e3 * r['engine_step_s']:.1f}", f"{1e3 * r['trainer_step_s']:.1f}",
                        f"{100 * r['overhead']:+.1f}%", " ".join(f"{1e3 * t:.0f}" for t in r["runs"]["trainer"]),

@@ -160,7 +160,7 @@ def main() -> None:
 
     info = C.machine(args.device)
     print(f"\nPeers at K={args.stages}, M={args.chunks}, batch {args.batch_size}, {args.device}, best of {args.rounds} "
-          f"rounds of {args.steps} steps\n{C.describe(info)}")
+          f"rounds of {args.steps} steps\n{C.describe_machine(info)}")
     for model in args.models:
         rows = [r for r in best.values() if r["model"] == model]
         ours = best[(model, "gpipe engine, checkpoint=never")]["step_s"]

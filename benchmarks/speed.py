@@ -90,7 +90,7 @@ def main() -> None:
 
     info = C.machine(args.device)
     print(f"\nThroughput by stages K and micro-batches M, batch {args.batch_size}, checkpoint={args.checkpoint!r}, "
-          f"{args.device}, best of {args.rounds} rounds of {args.steps} steps\n{C.describe(info)}")
+          f"{args.device}, best of {args.rounds} rounds of {args.steps} steps\n{C.describe_machine(info)}")
     for model in args.models:
         rows = []
         for m in args.chunks:

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["PipelineError", "FailureBoard", "exit_without_finalizers"]
+__all__ = ["PipelineError", "FailureBoard", "destroy_process_groups_at_exit", "exit_without_finalizers"]
 
 _KEY, _ACKS = "failed", "acks"
 
@@ -61,6 +61,29 @@ def exit_without_finalizers(board: Optional["FailureBoard"] = None, code: int = 
         os._exit(code)
 
     atexit.register(_exit)
+
+
+def destroy_process_groups_at_exit() -> None:
+    """At interpreter exit, shut every process group down while the interpreter is still whole.
+
+    A gloo group left to the interpreter's teardown can abort a process that finished its work
+    ("terminate called without an active exception", pytorch/pytorch#190489); seen here in about one
+    run in ten of a job that builds pipelines several times. Lightning does not destroy its groups at
+    the end of a run, so the strategy registers this once. After a failed run,
+    :func:`exit_without_finalizers` (registered later, so run earlier) ends the process first.
+    """
+    if getattr(destroy_process_groups_at_exit, "_registered", False):
+        return
+    destroy_process_groups_at_exit._registered = True  # type: ignore[attr-defined]
+
+    def _destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # exiting anyway: a group that cannot be shut down is left to the OS
+                pass
+
+    atexit.register(_destroy)
 
 
 class FailureBoard:

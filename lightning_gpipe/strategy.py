@@ -28,7 +28,7 @@ from lightning_gpipe._checkpoints import PipelineCheckpoints
 from lightning_gpipe._collectives import ReplicaCollectives
 from lightning_gpipe._lightning import backbone_sample, init_process_group, optimizers_to_device, preserved_rng
 from lightning_gpipe.batchnorm import DeferredBatchNorm
-from lightning_gpipe.failure import FailureBoard, exit_without_finalizers
+from lightning_gpipe.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
 from lightning_gpipe.partition import balance as optimal_balance
 from lightning_gpipe.partition import balance_by_params, parameter_costs, split_table, validate_balance
 from lightning_gpipe.pipe import GPipe, make_mesh
@@ -203,6 +203,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         if self.world_size > 1:  # pipeline-1 needs no process group
             backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
             init_process_group(self.cluster_environment, backend, self.root_device, self._process_group_timeout)
+            destroy_process_groups_at_exit()
         if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
             self._mesh = make_mesh(self.layout, self.root_device)
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")

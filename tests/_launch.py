@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -41,6 +42,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         torch.save({"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}, path)
         raise
     torch.save({"result": result}, path)
+    if dist.is_initialized():  # before the interpreter's teardown, which gloo can abort in
+        dist.destroy_process_group()
 
 
 @dataclass
