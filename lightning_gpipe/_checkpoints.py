@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpipe import optim_state, state
@@ -42,6 +43,7 @@ class PipelineCheckpoints:
     _loaders: list[Any]
     _loader_position: Optional[dict[str, Any]]
     _batch_idx: int
+    failed: bool
 
     # -- data ------------------------------------------------------------------------------------------
 
@@ -83,8 +85,8 @@ class PipelineCheckpoints:
         module = self.lightning_module
         assert module is not None
         local = module.state_dict()
-        if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded":
-            return local
+        if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded" or self.failed:
+            return local  # after a failure nothing is gathered: save_checkpoint writes nothing then
         full_backbone = state.gather_state_dict(self.pipe)
         return local if full_backbone is None else state.merge_backbone(local, full_backbone, self.backbone + ".")
 
@@ -97,7 +99,7 @@ class PipelineCheckpoints:
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state for the whole model, numbered as on one device, on the first stage; collective."""
         optimizer = _unwrap(optimizer)
-        if self.pipe is None or self.lightning_module is None:
+        if self.pipe is None or self.lightning_module is None or self.failed:
             return optimizer.state_dict()
         named = optim_state.named_state(optimizer, self.lightning_module)
         if self.state_dict_type == "sharded":
@@ -120,7 +122,16 @@ class PipelineCheckpoints:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write atomically: the whole file on the first rank, or (sharded) every stage's part."""
+        """Write atomically: the whole file on the first rank, or (sharded) every stage's part.
+
+        Nothing is written once a rank has failed (``OnExceptionCheckpoint``, say): the stages may stand at
+        different steps and the failed one cannot be asked, so a checkpoint would not be consistent.
+        """
+        if self.failed:
+            rank_zero_warn(f"Not saving the checkpoint {str(filepath)!r}: a stage of the pipeline failed, and the "
+                           "stages' states may not belong to the same step. Resume from the last checkpoint saved "
+                           "before the failure.")
+            return
         if self.pipe is not None:
             checkpoint["gpipe"] = {"calls": self.pipe.runner.calls, "seed": self.pipe.runner.seed,
                                    "stages": self.layout.pipe_size, "balance": self.pipe.balance}

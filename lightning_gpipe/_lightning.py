@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -14,6 +14,8 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
@@ -22,9 +24,63 @@ from lightning_gpipe.microbatch import batch_size
 from lightning_gpipe.profiling import capture_input, sample_micro_batch
 
 __all__ = [
-    "backbone_sample", "first_batch", "init_process_group", "log_to_loggers", "optimizers_to_device",
-    "preserved_rng", "should_update_logs", "silence_not_resumable_warning",
+    "backbone_sample", "current_hook", "first_batch", "init_process_group", "launcher", "log_to_loggers",
+    "optimizers_to_device", "preserved_rng", "should_update_logs", "silence_not_resumable_warning",
 ]
+
+
+def current_hook(module: "pl.LightningModule") -> str:
+    """The name of the hook Lightning is running on ``module`` (``training_step``, ``on_train_batch_end``...).
+
+    Lightning keeps it in a private attribute, set around every strategy, module and callback hook it
+    calls; there is no public accessor. Empty outside a hook.
+    """
+    return getattr(module, "_current_fx_name", None) or ""
+
+
+def _reporting(function: Callable, on_failure: Callable[[BaseException], None]) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except BaseException as error:
+            on_failure(error)
+            raise
+
+    return run
+
+
+class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
+    on_failure: Callable[[BaseException], None]
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        return super().launch(_reporting(function, self.on_failure), *args, trainer=trainer, **kwargs)
+
+
+class _ReportingMultiProcessingLauncher(_MultiProcessingLauncher):
+    on_failure: Callable[[BaseException], None]
+
+    def _wrapping_function(self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, *args: Any,
+                           **kwargs: Any) -> None:
+        super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
+
+
+def launcher(strategy: Any, start_method: str, on_failure: Callable[[BaseException], None]) -> _Launcher:
+    """Lightning's launcher for ``start_method``, reporting an exception of the trainer function first.
+
+    Lightning catches an exception of ``fit`` (or ``validate``...) above the launcher and then calls
+    every callback's ``on_exception`` before the strategy's: a callback such as
+    ``OnExceptionCheckpoint`` would start a collective that the other stages, still waiting for
+    the failed one, never join. Reported here, inside the launcher (inside each spawned process for
+    spawn and fork), the failure reaches the other ranks before any callback runs. Lightning has no
+    hook at that point, so these subclass its launchers (private classes).
+    """
+    chosen: Any
+    if start_method == "popen":
+        chosen = _ReportingSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    else:
+        chosen = _ReportingMultiProcessingLauncher(strategy, start_method=start_method)
+    chosen.on_failure = on_failure
+    return chosen
 
 
 def init_process_group(environment: ClusterEnvironment, backend: str, device: torch.device,

@@ -1,10 +1,14 @@
-"""Point-to-point messages between stages over torch.distributed: tensor tuples with a shape/dtype header.
+"""Point-to-point messages between stages over torch.distributed: tensor tuples behind a self-describing header.
 
 Every directed pair of ranks that talks gets a process group of its own, used by one sending thread
 (the sender's main thread, with non-blocking ``isend``) and one receiving thread (an :class:`Inbox`).
 The inbox thread posts the next receive as soon as the last one lands, so a message travels while
 the receiver computes; the main thread only takes finished messages from a queue, and while it waits
 it checks the failure board, so a failed peer never leaves it hanging.
+
+Every header also says what its message is (a :class:`Tag`: the pass, the backbone call, the
+micro-batch, the hook that made the call and a fingerprint of the batch), so that a receiver can
+check that it gets exactly what it expects, and stages that fell out of step fail at once.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gpipe.distributed import backend_for
 from lightning_gpipe.failure import FailureBoard, PipelineError
 from lightning_gpipe.topology import PipeLayout
 
-__all__ = ["Message", "Link", "Inbox", "Channels", "encode", "decode", "HEADER_LEN"]
+__all__ = ["Tag", "Message", "Link", "Inbox", "Channels", "encode", "decode", "HEADER_LEN"]
 
-HEADER_LEN = 96
+HEADER_LEN = 128
 _DATA, _CLOSE = 1, 2
+_KINDS = ("forward", "output", "gradient", "input gradient")
+_LABEL_FIELDS = 6  # the hook name, up to 48 ASCII characters in 6 int64 fields
+_FIXED = 6 + _LABEL_FIELDS  # type, tuple flag, kind, call, micro-batch, batch fingerprint, label
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -37,18 +45,59 @@ _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _FOREVER = timedelta(days=365)
 
 
+@dataclass(frozen=True)
+class Tag:
+    """What a message is: one pass of one micro-batch of one backbone call, and the batch it belongs to.
+
+    ``call`` counts the backbone calls of a pipeline (evaluation calls count apart), ``label`` names
+    the hook that made the call (empty outside Lightning) and ``batch`` is a fingerprint of the
+    batch (0: not checked). A receiver compares the tag it expects with the one it gets.
+
+    >>> Tag("forward", call=3, micro=0, label="training_step").describe()
+    'the forward of micro-batch 0 of backbone call 3 (made in `training_step`)'
+    """
+
+    kind: str
+    call: int
+    micro: int = -1
+    label: str = ""
+    batch: int = 0
+
+    def describe(self) -> str:
+        """The tag in words, for error messages."""
+        what = f"the {self.kind} of micro-batch {self.micro}" if self.micro >= 0 else f"the {self.kind}"
+        made = f" (made in `{self.label}`)" if self.label else ""
+        return f"{what} of backbone call {self.call}{made}"
+
+    def same_step(self, other: "Tag") -> bool:
+        """Whether ``other`` is the same pass of the same call (the batch fingerprints aside)."""
+        return (self.kind, self.call, self.micro, self.label) == (other.kind, other.call, other.micro, other.label)
+
+
 @dataclass
 class Message:
-    """What one stage sent another: tensors (``None`` where there is nothing) and how to rebuild them."""
+    """What one stage sent another: tensors (``None`` where there is nothing), how to rebuild them, and its tag."""
 
     values: tuple[Optional[Tensor], ...]
     requires_grad: tuple[bool, ...]
     is_tuple: bool
+    tag: Tag
 
 
-def encode(values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool) -> Tensor:
-    """The fixed-size int64 header that announces a message: count, then dtype, grad flag and shape of each."""
-    fields = [_DATA, int(is_tuple), len(values)]
+def _encode_label(label: str) -> list[int]:
+    raw = label.encode("ascii", "replace")[:8 * _LABEL_FIELDS].ljust(8 * _LABEL_FIELDS, b"\0")
+    return [int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True) for i in range(_LABEL_FIELDS)]
+
+
+def _decode_label(fields: list[int]) -> str:
+    raw = b"".join(f.to_bytes(8, "little", signed=True) for f in fields)
+    return raw.rstrip(b"\0").decode("ascii", "replace")
+
+
+def encode(values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag) -> Tensor:
+    """The fixed-size int64 header that announces a message: its tag, then dtype, grad flag and shape of each tensor."""
+    fields = [_DATA, int(is_tuple), _KINDS.index(tag.kind), tag.call, tag.micro, tag.batch, *_encode_label(tag.label),
+              len(values)]
     for value, flag in zip(values, requires_grad):
         if value is None:
             fields += [-1, 0, 0]
@@ -64,20 +113,24 @@ def encode(values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is
     return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
 
 
-def decode(header: Tensor) -> Optional[list[tuple[Optional[torch.dtype], bool, tuple[int, ...]]]]:
-    """The tensor specs a header announces, or ``None`` for the close message."""
+Specs = list[tuple[Optional[torch.dtype], bool, tuple[int, ...]]]
+
+
+def decode(header: Tensor) -> Optional[tuple[Specs, Tag, bool]]:
+    """The tensor specs, the tag and the tuple flag a header announces, or ``None`` for the close message."""
     fields = header.tolist()
     if fields[0] == _CLOSE:
         return None
-    if fields[0] != _DATA:
+    if fields[0] != _DATA or not 0 <= fields[2] < len(_KINDS):
         raise PipelineError(f"Received a malformed message header {fields[:8]}...; the stages are out of step.")
-    specs, pos = [], 3
-    for _ in range(fields[2]):
+    tag = Tag(_KINDS[fields[2]], fields[3], fields[4], _decode_label(fields[6:6 + _LABEL_FIELDS]), fields[5])
+    specs, pos = [], _FIXED + 1
+    for _ in range(fields[_FIXED]):
         code, flag, ndim = fields[pos:pos + 3]
         shape = tuple(fields[pos + 3:pos + 3 + ndim])
         specs.append((None if code < 0 else _DTYPES[code], bool(flag), shape))
         pos += 3 + ndim
-    return specs
+    return specs, tag, bool(fields[1])
 
 
 class Link:
@@ -87,10 +140,10 @@ class Link:
         self.group, self.dst, self.name = group, dst, name
         self._pending: list[tuple[dist.Work, Tensor]] = []
 
-    def send(self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool = True) -> None:
+    def send(self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag) -> None:
         """Start sending ``values``; the tensors are kept alive until they are delivered."""
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        header = encode(values, requires_grad, is_tuple)
+        header = encode(values, requires_grad, is_tuple, tag)
         self._pending.append((dist.isend(header, self.dst, group=self.group), header))
         for value in values:
             if value is not None:
@@ -121,7 +174,7 @@ class Inbox:
                  timeout: float) -> None:
         self.group, self.src, self.device, self.name = group, src, device, name
         self.board, self.timeout = board, timeout
-        self._queue: "queue.Queue[object]" = queue.Queue()
+        self._queue: "queue.Queue[tuple[float, object]]" = queue.Queue()  # (arrival time, item)
         self._thread = threading.Thread(target=self._receive, name=f"lightning-gpipe-inbox-{src}", daemon=True)
         self._thread.start()
 
@@ -132,10 +185,11 @@ class Inbox:
             while True:
                 header = torch.empty(HEADER_LEN, dtype=torch.int64)
                 dist.recv(header, self.src, group=self.group)
-                specs = decode(header)
-                if specs is None:
-                    self._queue.put(None)
+                decoded = decode(header)
+                if decoded is None:
+                    self._queue.put((time.monotonic(), None))
                     return
+                specs, tag, is_tuple = decoded
                 values = []
                 for dtype, _, shape in specs:
                     if dtype is None:
@@ -144,16 +198,16 @@ class Inbox:
                     value = torch.empty(shape, dtype=dtype, device=self.device)
                     dist.recv(value, self.src, group=self.group)
                     values.append(value)
-                self._queue.put(Message(tuple(values), tuple(f for _, f, _ in specs), bool(header[1])))
+                self._queue.put((time.monotonic(), Message(tuple(values), tuple(f for _, f, _ in specs), is_tuple, tag)))
         except BaseException as error:  # a dead peer closes the connection: hand the error to the main thread
-            self._queue.put(error)
+            self._queue.put((time.monotonic(), error))
 
     def get(self) -> Message:
         """The next message; raises :class:`PipelineError` if a peer failed or nothing came for ``timeout`` s."""
         start = time.monotonic()
         while True:
             try:
-                item = self._queue.get(timeout=0.05)
+                _, item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 self.board.raise_if_failed()
                 if time.monotonic() - start > self.timeout:
@@ -168,6 +222,14 @@ class Inbox:
                 raise PipelineError(f"{self.name} closed its link while this stage still expected a message.")
             account = self.board.wait_for_failure(1.0)  # prefer the peer's own account of its failure
             raise PipelineError(account or f"Lost the connection to {self.name}: {item}") from item  # type: ignore
+
+    def waiting(self) -> Optional[tuple[float, Message]]:
+        """The oldest message not taken yet and how many seconds it has waited, if there is one."""
+        try:
+            arrived, item = self._queue.queue[0]  # a peek; only this rank's main thread takes items
+        except IndexError:
+            return None
+        return (time.monotonic() - arrived, item) if isinstance(item, Message) else None
 
     def join(self, timeout: float) -> None:
         """Wait for the close message that ends the thread."""
@@ -188,7 +250,7 @@ class Channels:
         self.links: dict[int, Link] = {}
         self.inboxes: dict[int, Inbox] = {}
         self._groups: list[dist.ProcessGroup] = []
-        backend = backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        backend = backend or backend_for(device)
         pairs: set[tuple[int, int]] = set()
         for ranks in layout.pipelines:
             for a, b in zip(ranks, ranks[1:]):
@@ -204,10 +266,10 @@ class Channels:
             if rank in (src, dst):
                 self._groups.append(group)
 
-    def send(self, dst: int, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool],
-             is_tuple: bool = True) -> None:
+    def send(self, dst: int, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool,
+             tag: Tag) -> None:
         """Start sending ``values`` to rank ``dst``."""
-        self.links[dst].send(values, requires_grad, is_tuple)
+        self.links[dst].send(values, requires_grad, is_tuple, tag)
 
     def recv(self, src: int) -> Message:
         """The next message from rank ``src``."""
@@ -217,6 +279,19 @@ class Channels:
         """Wait until every message sent so far was received."""
         for link in self.links.values():
             link.flush()
+
+    def stray(self, older_than: float) -> Optional[tuple[str, Message]]:
+        """A message that has waited longer than ``older_than`` seconds, and who sent it, if there is one.
+
+        Outside a backbone call, every message a peer sent should have been taken already: one that
+        waits while this rank is blocked in a collective of the whole pipeline belongs to a call
+        that this rank never made.
+        """
+        for inbox in self.inboxes.values():
+            found = inbox.waiting()
+            if found is not None and found[0] > older_than:
+                return inbox.name, found[1]
+        return None
 
     def close(self, timeout: float = 60.0) -> None:
         """End every inbox thread (peers do the same for ours) and free the groups; call on every rank."""

@@ -12,13 +12,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_gpipe import microbatch
-from lightning_gpipe.comm import Channels, Message
+from lightning_gpipe.comm import Channels, Message, Tag
+from lightning_gpipe.lockstep import check_message
 from lightning_gpipe.replicas import GradientSync
 from lightning_gpipe.rng import isolated_rng, layer_seed, seed_layer
 from lightning_gpipe.schedule import checkpointed, fill_drain
@@ -67,6 +68,7 @@ class _Run:
 
     call: int
     autocast: tuple[bool, torch.dtype]
+    label: str = ""  # the hook that made the call: every message of the call carries it
     inputs: list[Any] = field(default_factory=list)  # per micro-batch: the stage input (leaves)
     outputs: list[Optional[tuple[Tensor, ...]]] = field(default_factory=list)  # None when checkpointed
     in_grad: list[bool] = field(default_factory=list)  # whether the previous stage waits for input grads
@@ -95,6 +97,12 @@ class StageRunner:
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
         self.eval_calls = 0
+        #: What names the caller's current context in every message (Lightning: the running hook), so that
+        #: stages that make their calls from different places fail at once. Plain PyTorch: nothing.
+        self.label: Callable[[], str] = lambda: ""
+        #: The fingerprint of the batch of the current step (see :func:`microbatch.fingerprint`), set by the
+        #: caller before the call; ``None``: the backbone input's own fingerprint is used.
+        self.batch_fingerprint: Optional[int] = None
         self.tracer: Optional[Tracer] = None
         self._modules = nn.ModuleList(m for _, m in layers)
 
@@ -111,18 +119,24 @@ class StageRunner:
 
     def __call__(self, batch: Any) -> microbatch.Outputs:
         """The backbone's output for ``batch``, on every rank of the pipeline."""
+        label = self.label()
         if not torch.is_grad_enabled():
             # evaluation calls count apart, so that validating does not move the training's random streams
             call = _EVAL_CALLS + self.eval_calls
             self.eval_calls += 1
-            return microbatch.from_tuple(*self._fill(batch, call, None))
+            return microbatch.from_tuple(*self._fill(batch, _Run(call, (False, torch.float32), label), train=False))
         call = self.calls
         self.calls += 1
         leaves = microbatch.tensors(batch)
         anchor = torch.empty(0, device=self.device, requires_grad=True)  # see _Bridge
-        box: dict[str, bool] = {}
+        box: dict[str, Any] = {"label": label}
         values = _Bridge.apply(self, batch, call, box, anchor, *leaves)
         return microbatch.from_tuple(values, box["is_tuple"])
+
+    def _fingerprint(self, batch: Any) -> int:
+        if len(self.ranks) == 1:
+            return 0  # nothing to compare with
+        return self.batch_fingerprint if self.batch_fingerprint is not None else microbatch.fingerprint(batch)
 
     # -- forward (fill) ------------------------------------------------------------------------------
 
@@ -141,14 +155,22 @@ class StageRunner:
                 "Make it return a Tensor or a tuple of Tensors, or move the stage boundary with `balance`."
             ) from None
 
-    def _recv(self, src: int, micro: int) -> Message:
-        with self._span("wait", micro):
-            return self.channels.recv(src)  # type: ignore[union-attr]
+    def _recv(self, src: int, expected: Tag) -> Message:
+        """The next message from rank ``src``, which must be ``expected`` (see :mod:`lightning_gpipe.lockstep`)."""
+        assert self.channels is not None
+        with self._span("wait", expected.micro):
+            message = self.channels.recv(src)
+        return check_message(message, expected, self.channels.inboxes[src].name, self.stage)
 
-    def _fill(self, batch: Any, call: int, run: Optional[_Run]) -> tuple[tuple[Tensor, ...], bool]:
+    def _send(self, dst: int, values: Any, requires_grad: list[bool], is_tuple: bool, tag: Tag) -> None:
+        assert self.channels is not None
+        self.channels.send(dst, values, requires_grad, is_tuple, tag)
+
+    def _fill(self, batch: Any, run: _Run, train: bool) -> tuple[tuple[Tensor, ...], bool]:
         """Every micro-batch through this stage, in order; returns the pipeline's output and its tuple-ness."""
-        train = run is not None
+        call = run.call
         sizes = microbatch.split_sizes(microbatch.batch_size(batch), self.chunks)  # every rank checks the batch
+        fingerprint = self._fingerprint(batch)
         micro_inputs = microbatch.split(batch, sizes) if self.is_first else []
         needs_grad = train and any(p.requires_grad for p in self._modules.parameters())
         outputs: list[tuple[Tensor, ...]] = []
@@ -159,7 +181,7 @@ class StageRunner:
                 x = microbatch.map_tensors(_as_leaf, micro_inputs[i]) if train else micro_inputs[i]
                 in_flags = [t.requires_grad for t in microbatch.tensors(x)]
             else:
-                message = self._recv(self.ranks[self.stage - 1], i)
+                message = self._recv(self.ranks[self.stage - 1], Tag("forward", call, i, run.label, fingerprint))
                 in_flags = list(message.requires_grad) if train else []
                 values = tuple(v.requires_grad_() if train and f else v  # type: ignore[union-attr]
                                for v, f in zip(message.values, message.requires_grad))
@@ -168,7 +190,7 @@ class StageRunner:
             with torch.set_grad_enabled(keep), self._span("forward", i):
                 y, is_tuple = self._run_layers(x, call, i)
             out_flags = [train and t.is_floating_point() and (needs_grad or any(in_flags)) for t in y]
-            if run is not None:
+            if train:
                 run.inputs.append(x)
                 run.outputs.append(y if keep else None)
                 run.in_grad.append(any(in_flags))
@@ -177,10 +199,10 @@ class StageRunner:
                 self._check_batch_dim(y, sizes[i])
                 outputs.append(tuple(t.detach() for t in y))
             else:
-                self.channels.send(self.ranks[self.stage + 1], y, out_flags, is_tuple)  # type: ignore[union-attr]
-        if run is not None:
-            run.sizes = sizes
-        return self._share(outputs, is_tuple)
+                self._send(self.ranks[self.stage + 1], y, out_flags, is_tuple, Tag("forward", call, i, run.label,
+                                                                                    fingerprint))
+        run.sizes = sizes
+        return self._share(outputs, is_tuple, Tag("output", call, -1, run.label))
 
     def _check_batch_dim(self, y: tuple[Tensor, ...], size: int) -> None:
         for t in y:
@@ -190,14 +212,14 @@ class StageRunner:
                     "micro-batch outputs are joined along dim 0, so every output tensor must keep the batch in dim 0."
                 )
 
-    def _share(self, outputs: list[tuple[Tensor, ...]], is_tuple: bool) -> tuple[tuple[Tensor, ...], bool]:
+    def _share(self, outputs: list[tuple[Tensor, ...]], is_tuple: bool, tag: Tag) -> tuple[tuple[Tensor, ...], bool]:
         """The last stage joins the micro-batch outputs and sends them to every other stage."""
         if self.is_last:
             values = microbatch.gather(outputs)
             for rank in self.ranks[:-1]:
-                self.channels.send(rank, values, [False] * len(values), is_tuple)  # type: ignore[union-attr]
+                self._send(rank, values, [False] * len(values), is_tuple, tag)
         else:
-            message = self._recv(self.ranks[-1], -1)
+            message = self._recv(self.ranks[-1], tag)
             values, is_tuple = message.values, message.is_tuple  # type: ignore[assignment]
         if self.channels is not None:
             with self._span("wait"):
@@ -222,7 +244,8 @@ class StageRunner:
             y = recomputed.pop(i) if i in recomputed else run.outputs[i]
             g: tuple[Optional[Tensor], ...] = ()
             if run.out_grad[i]:
-                g = last_grads[i] if self.is_last else self._recv(self.ranks[self.stage + 1], i).values
+                g = last_grads[i] if self.is_last else \
+                    self._recv(self.ranks[self.stage + 1], Tag("gradient", run.call, i, run.label)).values
             if i == 0 and self.grad_sync is not None:  # the last backward: gradients become final in it
                 self.grad_sync.arm()
             with self._span("backward", i):
@@ -233,7 +256,7 @@ class StageRunner:
                 dx = tuple((t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None
                            for t in leaves)
             if not self.is_first and run.in_grad[i]:
-                self.channels.send(self.ranks[self.stage - 1], dx, [False] * len(dx))  # type: ignore[union-attr]
+                self._send(self.ranks[self.stage - 1], dx, [False] * len(dx), True, Tag("gradient", run.call, i, run.label))
             input_grads[i] = dx
             run.inputs[i] = run.outputs[i] = None
         return self._input_grads(run, input_grads)
@@ -248,13 +271,14 @@ class StageRunner:
     def _input_grads(self, run: _Run, per_micro: list[tuple[Optional[Tensor], ...]]) -> list[Optional[Tensor]]:
         """The first stage joins the input gradients and sends them to every stage (they all share the input)."""
         grads: list[Optional[Tensor]] = []
+        tag = Tag("input gradient", run.call, -1, run.label)
         if run.input_needs_grad:
             if self.is_first:
                 grads = [None if col[0] is None else torch.cat(col) for col in zip(*per_micro)]  # type: ignore
                 for rank in self.ranks[1:]:
-                    self.channels.send(rank, grads, [False] * len(grads))  # type: ignore[union-attr]
+                    self._send(rank, grads, [False] * len(grads), True, tag)
             else:
-                grads = list(self._recv(self.ranks[0], -1).values)
+                grads = list(self._recv(self.ranks[0], tag).values)
         if self.channels is not None:
             with self._span("wait"):
                 self.channels.flush()
@@ -272,10 +296,10 @@ class _Bridge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: StageRunner, batch: Any, call: int, box: dict, anchor: Tensor, *leaves: Tensor):
         kind = runner.device.type
-        run = _Run(call, (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)))
+        run = _Run(call, (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)), box["label"])
         run.input_needs_grad = any(t.requires_grad for t in leaves)
         with runner._span("fill"):
-            values, box["is_tuple"] = runner._fill(batch, call, run)
+            values, box["is_tuple"] = runner._fill(batch, run, train=True)
         ctx.runner, ctx.run, ctx.num_leaves = runner, run, len(leaves)
         ctx.set_materialize_grads(False)
         non_float = [v for v in values if not v.is_floating_point()]
@@ -286,6 +310,13 @@ class _Bridge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[Tensor]):
         run, ctx.run = ctx.run, None
+        if run is None:
+            raise RuntimeError(
+                "A second backward ran through the pipeline for one call of the backbone (`retain_graph=True`?). "
+                "The drain frees each micro-batch's graph and sends its gradients to the other stages once, so each "
+                "backbone output can be back-propagated only once: add the losses up and call backward once, or "
+                "call the backbone again for a second backward."
+            )
         with ctx.runner._span("drain"):
             input_grads = ctx.runner._drain(run, grads) or [None] * ctx.num_leaves
         return (None, None, None, None, None, *input_grads)

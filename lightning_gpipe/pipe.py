@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_gpipe import microbatch
+from lightning_gpipe import distributed, microbatch
 from lightning_gpipe.comm import Channels
 from lightning_gpipe.engine import StageRunner, Tracer
 from lightning_gpipe.failure import FailureBoard
+from lightning_gpipe.lockstep import stray_message_error
 from lightning_gpipe.partition import balance_by_params, stage_bounds, validate_balance
 from lightning_gpipe.replicas import GradientSync
 from lightning_gpipe.topology import PipeLayout
 
-__all__ = ["GPipe", "make_mesh"]
+__all__ = ["GPipe", "make_mesh", "STRAY_GRACE"]
+
+#: Seconds a message from a peer may wait untaken while this rank is blocked in a collective of the whole
+#: pipeline, before the two count as out of step. A peer cannot pass such a collective before this rank
+#: joins it, so a message that waits through one was sent from a call this rank never makes; the grace only
+#: lets a message that was already on its way be counted.
+STRAY_GRACE = 5.0
 
 
 def make_mesh(layout: PipeLayout, device: torch.device) -> DeviceMesh:
@@ -27,13 +34,9 @@ def make_mesh(layout: PipeLayout, device: torch.device) -> DeviceMesh:
     Collective over all processes. Its groups use gloo for CPU tensors beside NCCL for CUDA ones, so
     that small CPU collectives (object broadcasts, counts) work in GPU jobs too.
     """
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    backend = distributed.backend_for(device)
     return init_device_mesh(device.type, (layout.num_replicas, layout.pipe_size), mesh_dim_names=("dp", "pp"),
                             backend_override={"dp": backend, "pp": backend})
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 class GPipe(nn.Module):
@@ -79,8 +82,8 @@ class GPipe(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
-        rank = dist.get_rank() if _distributed() else 0
-        world = dist.get_world_size() if _distributed() else 1
+        rank = dist.get_rank() if distributed.is_distributed() else 0
+        world = dist.get_world_size() if distributed.is_distributed() else 1
         layout = layout or PipeLayout(world, world)
         if layout.world_size != world:
             raise ValueError(f"The layout is for {layout.world_size} processes but the job has {world}.")
@@ -138,9 +141,52 @@ class GPipe(nn.Module):
         """``obj`` as ``stage`` has it, on every stage of this pipeline; collective."""
         if self.group is None:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.ranks[stage], group=self.group)
-        return box[0]
+        return distributed.broadcast_object(obj, self.ranks[stage], self.group, self.watch("a broadcast"),
+                                            self.device)
+
+    def watch(self, doing: str) -> distributed.Watch:
+        """What a collective of the whole pipeline polls while it waits (see :mod:`lightning_gpipe.distributed`).
+
+        It raises :class:`~lightning_gpipe.PipelineError` once another rank failed, or once a message
+        from a peer has waited through the collective (:data:`STRAY_GRACE`): that peer is inside a
+        backbone call this rank never made, and will not join. ``doing`` names the collective.
+        """
+        def check() -> None:
+            self.board.raise_if_failed()
+            runner = getattr(self, "runner", None)  # construction broadcasts the seed before the runner exists
+            channels = runner.channels if runner is not None else None
+            stray = channels.stray(STRAY_GRACE) if channels is not None else None
+            if stray is not None:
+                raise stray_message_error(stray[1], stray[0], self.stage, doing)
+
+        return check
+
+    @property
+    def call_label(self) -> Callable[[], str]:
+        """What names the caller's context in every message (default: nothing); see :class:`~.comm.Tag`.
+
+        Stages whose calls come from different places (a hook that runs on one rank only) fail at
+        the first message, with both places named. The Lightning strategy sets the running hook.
+        """
+        return self.runner.label
+
+    @call_label.setter
+    def call_label(self, label: Callable[[], str]) -> None:
+        self.runner.label = label
+
+    @property
+    def batch_fingerprint(self) -> Optional[int]:
+        """The fingerprint of the current step's batch (:func:`~lightning_gpipe.microbatch.fingerprint`).
+
+        Every stage checks that the previous stage holds the same batch. Set it before each step to the
+        fingerprint of the whole batch (inputs and targets); ``None`` (the default): each call uses
+        the fingerprint of the backbone's input.
+        """
+        return self.runner.batch_fingerprint
+
+    @batch_fingerprint.setter
+    def batch_fingerprint(self, value: Optional[int]) -> None:
+        self.runner.batch_fingerprint = value
 
     @property
     def chunks(self) -> int:
@@ -185,6 +231,22 @@ class GPipe(nn.Module):
         self.group = self.replica_group = self.mesh = None
         if self._own_board:
             self.board.stop()
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        if self.layout.pipe_size == 1:
+            return iter([layer for _, layer in self.local_layers()])
+        self._refuse_iteration()
+
+    def _refuse_iteration(self) -> NoReturn:
+        raise TypeError(
+            f"The backbone is partitioned over {self.layout.pipe_size} stages and this process holds only layers "
+            f"{[i for i, _ in self.local_layers()]} (stage {self.stage}), so iterating over it would see some layers "
+            "on some ranks only. Iterate over `local_layers()` for this stage's (index, layer) pairs, or select "
+            "parameters by name (`named_parameters()` of the LightningModule)."
+        )
 
     def __getitem__(self, index: int) -> nn.Module:
         name = str(index if index >= 0 else self.num_layers + index)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gpipe import distributed
 from lightning_gpipe.pipe import GPipe
 
 __all__ = ["gather_objects", "gather_state_dict", "merge_backbone", "reassemble", "local_state_dict"]
@@ -21,13 +21,8 @@ def gather_objects(pipe: GPipe, obj: Any, to_all: bool) -> Optional[list[Any]]:
     """``obj`` from every stage, in stage order: on every stage if ``to_all``, else on the first stage only."""
     if pipe.group is None:
         return [obj]
-    if to_all:
-        out: list[Any] = [None] * len(pipe.ranks)
-        dist.all_gather_object(out, obj, group=pipe.group)
-        return out
-    out = [None] * len(pipe.ranks) if pipe.stage == 0 else None
-    dist.gather_object(obj, out, dst=pipe.ranks[0], group=pipe.group)
-    return out
+    return distributed.gather_objects(obj, pipe.group, pipe.watch("a gather of every stage's state"),
+                                      dst=None if to_all else pipe.ranks[0])
 
 
 def gather_state_dict(pipe: GPipe) -> Optional[dict[str, Tensor]]:

@@ -17,16 +17,22 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
-from lightning_gpipe import clipping, optim_state, state
+from lightning_gpipe import clipping, microbatch, optim_state, state
 from lightning_gpipe._checkpoints import PipelineCheckpoints
 from lightning_gpipe._collectives import ReplicaCollectives
-from lightning_gpipe._lightning import backbone_sample, init_process_group, optimizers_to_device, preserved_rng
+from lightning_gpipe._lightning import (
+    backbone_sample,
+    current_hook,
+    init_process_group,
+    launcher,
+    optimizers_to_device,
+    preserved_rng,
+)
 from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
 from lightning_gpipe.partition import balance as optimal_balance
@@ -183,10 +189,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = launcher(self, self._start_method, self._report_failure)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -300,8 +303,11 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
+        _refuse_fp16_scaler(self.precision_plugin)
         self.accelerator.setup(trainer)
         self.pipe = self._build_pipe()
+        module = self.lightning_module
+        self.pipe.call_label = lambda: current_hook(module)  # type: ignore[arg-type]
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicated()
@@ -350,6 +356,17 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         if self.root_device.type == "cuda":
             torch.cuda.set_rng_state(pipe.broadcast(torch.cuda.get_rng_state(self.root_device)), self.root_device)
 
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, after taking its fingerprint: every stage checks that the others got the same batch.
+
+        Taken before the transfer, on the batch as the loader made it (inputs and targets), so that on a GPU
+        it costs no synchronization.
+        """
+        if self.pipe is not None and len(self.pipe.ranks) > 1:
+            self.pipe.batch_fingerprint = microbatch.fingerprint(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
     # -- gradients -------------------------------------------------------------------------------------
 
     @override
@@ -372,13 +389,23 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         finally:
             sync.enabled = True
 
-    @override
-    def on_exception(self, exception: BaseException) -> None:
+    def _report_failure(self, exception: BaseException) -> None:
+        """Tell the other ranks at once (before Lightning runs any callback's ``on_exception``), then stop
+        every collective of this rank: the peers will not join them."""
         self._failed = True
         if self._board is not None:
             self._board.publish(exception)
         if self.pipe is not None and self.pipe.runner.channels is not None:  # threads may wait on dead peers
             exit_without_finalizers(self._board)
+
+    @property
+    def failed(self) -> bool:
+        """Whether this rank's run failed (or learnt of another rank's failure): its collectives are skipped."""
+        return self._failed
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._report_failure(exception)  # already done by the launcher, unless it was not this strategy's
 
     @override
     def teardown(self) -> None:
@@ -401,6 +428,18 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         for name, start_method in entries:
             strategy_registry.register(name, cls, description=f"GPipe pipeline, processes started with "
                                        f"{start_method!r}", start_method=start_method)
+
+
+def _refuse_fp16_scaler(plugin: Precision) -> None:
+    # A GradScaler per stage would decide on its own stage's gradients alone: the stages would disagree on
+    # skipping a step and on the scale, and the backbone's gradients would be unscaled by another scale than
+    # the one they were scaled with. bf16 needs no scaler.
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+        raise ValueError(
+            f"precision={plugin.precision!r} is not supported by the gpipe strategy: it scales the loss with a "
+            "GradScaler on each stage, and the stages would disagree on skipped steps and on the scale. Use "
+            "precision='bf16-mixed' (no loss scaling needed), or '32-true'."
+        )
 
 
 def _use_global_norm_clipping(plugin: Precision, strategy: GPipeStrategy) -> None:

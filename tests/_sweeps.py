@@ -165,7 +165,8 @@ class Boom(torch.nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if int(os.environ.get("RANK", 0)) == self.rank and self.calls == self.call:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
+        if rank == self.rank and self.calls == self.call:
             raise RuntimeError(f"boom on rank {self.rank}")
         return x
 

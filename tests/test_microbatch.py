@@ -57,3 +57,19 @@ def test_as_tuple_rejects_non_tensor_outputs():
         microbatch.as_tuple({"a": torch.zeros(1)})
     with pytest.raises(TypeError, match=r"tuple of \(Tensor, int\)"):
         microbatch.as_tuple((torch.zeros(1), 3))
+
+
+def test_fingerprint_tells_apart_another_sample_another_order_a_flip_and_another_dtype():
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 4, 4, generator=generator), torch.randint(0, 5, (8,), generator=generator)
+    reference = microbatch.fingerprint((x, y))
+    assert microbatch.fingerprint((x.clone(), y.clone())) == reference  # the same values in other memory
+    others = [(x[torch.randperm(8, generator=generator)], y), (x.flip(-1), y), (x, (y + 1) % 5), (x.double(), y),
+              (x[:7], y[:7]), (x.reshape(8, 48), y), {"x": x}]
+    assert len({reference, *(microbatch.fingerprint(b) for b in others)}) == len(others) + 1
+
+
+def test_fingerprint_covers_every_dtype_a_batch_may_hold():
+    for dtype in (torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int32, torch.complex64):
+        t = torch.ones(4, 2).to(dtype)
+        assert microbatch.fingerprint(t) == microbatch.fingerprint(t.clone()) != 0

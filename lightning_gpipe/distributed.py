@@ -1,0 +1,117 @@
+"""Collectives that never outwait a failure: each one polls a watch function until it completes.
+
+A blocking ``torch.distributed`` collective waits for its peers for the process group's whole
+timeout (30 minutes by default), even when a peer has already failed, or is waiting inside a
+backbone call that this rank never made. Each collective here is started asynchronously and
+polled: between polls it calls ``watch()``, which raises (a :class:`~lightning_gpipe.PipelineError`)
+as soon as the failure board or the pipeline's inboxes show that the peers will never join. The
+object collectives send pickled bytes as tensors, because torch's own object collectives have no
+asynchronous form. (Peers of one job unpickle each other's objects, as torch's own do.)
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["is_distributed", "backend_for", "wait", "barrier", "all_reduce", "broadcast_object", "gather_objects",
+           "Watch"]
+
+#: Called while a collective is pending; raises to abandon it.
+Watch = Callable[[], None]
+
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is available and its default group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend of this package's own groups: gloo for CPU tensors, beside NCCL for CUDA ones on GPUs.
+
+    Gloo beside NCCL lets small CPU messages (headers, objects, counts) travel in GPU jobs too.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def wait(work: Optional[dist.Work], watch: Optional[Watch]) -> None:
+    """Wait for ``work``, calling ``watch`` between polls (from every 0.1 ms up to every 10 ms)."""
+    if work is None:
+        return
+    if watch is None:
+        work.wait()
+        return
+    pause = 1e-4
+    while not work.is_completed():
+        watch()
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-2)
+    work.wait()  # raises the transport's error, if any
+
+
+def _size(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group)
+
+
+def barrier(group: Optional[dist.ProcessGroup] = None, watch: Optional[Watch] = None) -> None:
+    """Every rank of ``group`` reaches this point."""
+    wait(dist.barrier(group=group, async_op=True), watch)
+
+
+def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
+               watch: Optional[Watch] = None) -> Tensor:
+    """``tensor`` reduced over ``group``, in place."""
+    wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), watch)
+    return tensor
+
+
+def _as_bytes(obj: Any, device: torch.device) -> Tensor:
+    data = pickle.dumps(obj)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _from_bytes(tensor: Tensor) -> Any:
+    return pickle.loads(tensor.cpu().numpy().tobytes())
+
+
+def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None,
+                     watch: Optional[Watch] = None, device: torch.device = torch.device("cpu")) -> Any:
+    """``obj`` as global rank ``src`` has it, on every rank of ``group``."""
+    mine = dist.get_rank() == src
+    data = _as_bytes(obj, device) if mine else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
+    wait(dist.broadcast(size, src, group=group, async_op=True), watch)
+    if data is None:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    wait(dist.broadcast(data, src, group=group, async_op=True), watch)
+    return obj if mine else _from_bytes(data)
+
+
+def gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None, watch: Optional[Watch] = None,
+                   device: torch.device = torch.device("cpu"), dst: Optional[int] = None) -> Optional[list[Any]]:
+    """``obj`` from every rank of ``group``, in group order: on every rank, or with ``dst`` on that rank only.
+
+    The gather to one rank still all-gathers the sizes, so every rank pads to the same length.
+    """
+    data = _as_bytes(obj, device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(_size(group))]
+    wait(dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group,
+                         async_op=True), watch)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    if dst is None:
+        parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+        wait(dist.all_gather(parts, padded, group=group, async_op=True), watch)
+    else:
+        parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] \
+            if dist.get_rank() == dst else None
+        wait(dist.gather(padded, parts, dst=dst, group=group, async_op=True), watch)
+        if parts is None:
+            return None
+    return [_from_bytes(p[:int(s.item())]) for p, s in zip(parts, sizes)]

@@ -1,0 +1,55 @@
+"""Lock-step checks: a stage gets exactly the message it expects, from a peer that holds the same batch."""
+
+from __future__ import annotations
+
+from lightning_gpipe.comm import Message, Tag
+from lightning_gpipe.failure import PipelineError
+
+__all__ = ["check_message", "stray_message_error", "OUT_OF_STEP_CAUSES", "DIFFERENT_BATCH_CAUSES"]
+
+#: Why the ranks of a pipeline stop making the same backbone calls, and what to do instead.
+OUT_OF_STEP_CAUSES = (
+    "Every rank of a pipeline must call the backbone the same number of times, in the same hooks and the same "
+    "order, because each call runs on all of its stages. Usual causes: a callback decorated with @rank_zero_only "
+    "(or code under `if trainer.is_global_zero:`) that calls the model, so one rank runs the backbone alone: call "
+    "the model on every rank and only log or save on rank zero; data loaders of different lengths on different "
+    "ranks; a step that calls the backbone a data-dependent number of times."
+)
+
+#: Why the stages of a pipeline see different batches, and how to fix it.
+DIFFERENT_BATCH_CAUSES = (
+    "The stages of a pipeline must get the same batch at every step: the backbone learns from the first stage's "
+    "inputs and the last stage's targets, and the layers outside it from each rank's own. Usual causes: a Dataset "
+    "or transform that draws from Python's `random` or NumPy without a seed (call "
+    "`lightning.seed_everything(seed, workers=True)`, or seed each sample from its index); an IterableDataset "
+    "that yields different data on each rank (shard it by data-parallel replica, "
+    "`trainer.strategy.distributed_sampler_kwargs`, never by global rank); DataLoaders of different lengths, or "
+    "a sampler or DataLoader built differently, on different ranks."
+)
+
+
+def check_message(message: Message, expected: Tag, sender: str, stage: int) -> Message:
+    """``message`` if it is the one stage ``stage`` expects from ``sender``; else a :class:`PipelineError`."""
+    got = message.tag
+    if not got.same_step(expected):
+        raise PipelineError(
+            f"The pipeline's stages fell out of step: stage {stage} expected {expected.describe()} from {sender}, "
+            f"but received {got.describe()}. {OUT_OF_STEP_CAUSES}"
+        )
+    if got.batch and expected.batch and got.batch != expected.batch:
+        raise PipelineError(
+            f"{sender} and stage {stage} hold different batches in backbone call {expected.call}"
+            + (f" (made in `{expected.label}`)" if expected.label else "")
+            + f": their fingerprints (shape, dtype and checksum of every tensor) are {got.batch:#x} and "
+            f"{expected.batch:#x}. {DIFFERENT_BATCH_CAUSES}"
+        )
+    return message
+
+
+def stray_message_error(message: Message, sender: str, stage: int, doing: str) -> PipelineError:
+    """The error for a message that waits while this stage is blocked outside the pipeline (in ``doing``)."""
+    return PipelineError(
+        f"The pipeline's stages fell out of step: stage {stage} is in {doing}, which every rank of the pipeline "
+        f"must join, but {sender} sent {message.tag.describe()}, a call that this stage did not make. "
+        f"{OUT_OF_STEP_CAUSES}"
+    )

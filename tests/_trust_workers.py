@@ -1,0 +1,96 @@
+"""Ordinary Lightning code that used to hang or train silently wrong under a pipeline; each runs in K processes.
+
+Every scenario ends in a failed ``fit`` on every rank: the tests check how fast and with what message.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import _models as M
+import _sweeps
+
+
+class SamplePredictions(Callback):
+    """Logs a few predictions from rank zero only: common Lightning code that calls the model on one rank."""
+
+    def __init__(self, hook: str, samples: int) -> None:
+        self.samples = samples
+        setattr(self, hook, self._predict)
+
+    @rank_zero_only
+    def _predict(self, trainer, pl_module, *args) -> None:
+        x = torch.randn(self.samples, M.FEATURES)
+        pl_module(x)
+
+
+def _fit(model, devices, callbacks=(), data=None, **kwargs) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=devices,
+                        **M.trainer_kwargs(callbacks=list(callbacks), **kwargs))
+    trainer.fit(model, data if data is not None else M.loader())
+
+
+def rank_zero_callback(rank: int, world_size: int, hook: str, samples: int) -> None:
+    """A @rank_zero_only callback calls the model; with ModelCheckpoint, the other rank heads into its save."""
+    L.seed_everything(0, verbose=False)
+    callbacks = [SamplePredictions(hook, samples)]
+    kwargs = {}
+    if hook == "on_train_epoch_end":
+        directory = os.environ["GPIPE_TEST_TMP"]
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename="rank-zero-callback"))
+        kwargs = dict(enable_checkpointing=True, max_steps=-1, max_epochs=1)
+    _fit(M.Net(), world_size, callbacks, **kwargs)
+
+
+def failing_stage_with_on_exception_checkpoint(rank: int, world_size: int, path: str) -> None:
+    """Stage 1 raises at its third call while Lightning's OnExceptionCheckpoint is on."""
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    model.backbone.append(_sweeps.Boom(rank=1, call=3))
+    _fit(model, world_size, [OnExceptionCheckpoint(os.path.dirname(path), os.path.basename(path)[:-5])],
+         max_steps=20, enable_checkpointing=True)
+
+
+class NoisyDigits(Dataset):
+    """Adds noise drawn from Python's `random`, never seeded: each process draws other numbers."""
+
+    def __init__(self) -> None:
+        self.data = M.dataset()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        x, y = self.data[index]
+        return x + random.random(), y
+
+
+class PerRankStream(IterableDataset):
+    """Yields a stream that depends on the global rank: sharded per process instead of per replica."""
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(int(os.environ.get("RANK", 0)))
+        for _ in range(40):
+            yield torch.randn(M.FEATURES, generator=generator), torch.randint(0, M.CLASSES, (), generator=generator)
+
+
+def different_batches(rank: int, world_size: int, cause: str) -> None:
+    """The stages get different batches: unseeded randomness, a per-rank stream, or loaders of unequal lengths."""
+    L.seed_everything(0, verbose=False)
+    random.seed(rank)  # what an unseeded process would get: another stream on each rank
+    if cause == "unseeded random":
+        data = DataLoader(NoisyDigits(), batch_size=8)
+    elif cause == "per-rank iterable":
+        data = DataLoader(PerRankStream(), batch_size=8)
+    else:  # rank 1 has one batch less per epoch, so its second epoch starts while rank 0 is still in its first
+        data = M.loader(samples=40 - 8 * rank, shuffle=False)
+    _fit(M.Net(), world_size, data=data, max_steps=-1, max_epochs=2)

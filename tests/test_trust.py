@@ -1,0 +1,105 @@
+"""Never silently wrong, never hung: stages out of step, different batches, failures in callbacks, misuse.
+
+Each scenario runs real processes with the default ``timeout`` (1800 s) and must end on every rank
+within 60 s (process start-up included), with a message that says what went wrong.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+import _models as M
+import _trust_workers as W
+from _launch import run_processes
+from _scripts import LAUNCH_VARIABLES, ROOT
+from lightning_gpipe import GPipe, GPipeStrategy
+
+BOUND = 60.0
+
+
+def _assert_all_ended_with_errors(outcome):
+    assert all(code is not None for code in outcome.exitcodes), f"hung ranks: {outcome.exitcodes}"
+    assert all(code != 0 for code in outcome.exitcodes), outcome.exitcodes
+    assert outcome.seconds < BOUND, f"took {outcome.seconds:.1f}s"
+    assert all(outcome.errors), outcome.errors
+
+
+@pytest.mark.parametrize("hook, samples", [("on_train_batch_end", 8), ("on_train_batch_end", 2),
+                                           ("on_train_epoch_end", 8)],
+                         ids=["batch of the training size", "smaller batch", "other rank in ModelCheckpoint's save"])
+def test_a_rank_zero_only_callback_that_calls_the_model_fails_every_rank_at_once(session_tmp, hook, samples):
+    outcome = run_processes(W.rank_zero_callback, 2, hook, samples, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    # the rank that noticed says what each rank was doing and how to fix it; the other carries that report
+    report = outcome.errors[1]
+    assert report.startswith("PipelineError: The pipeline's stages fell out of step: stage 1"), report
+    assert f"(made in `{hook}`)" in report and "@rank_zero_only" in report
+    assert "stage 1 (rank 1) reported: The pipeline's stages fell out of step" in outcome.errors[0]
+    assert "keep the batch in dim 0" not in outcome.errors[0] + outcome.errors[1]
+
+
+def test_a_failing_stage_under_on_exception_checkpoint_ends_every_rank_with_its_error_and_writes_no_file(tmp_path):
+    path = str(tmp_path / "on-exception.ckpt")
+    outcome = run_processes(W.failing_stage_with_on_exception_checkpoint, 2, path, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    assert "boom on rank 1" in outcome.errors[1]
+    assert outcome.errors[0].startswith("PipelineError: stage 1 (rank 1) failed: RuntimeError: boom on rank 1")
+    assert os.listdir(tmp_path) == []  # no checkpoint, partial or temporary, at its path or beside it
+
+
+def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_with_the_error(tmp_path):
+    # Lightning's popen launcher re-runs the script per rank and kills every rank once one dies
+    script = tmp_path / "failing.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{os.path.join(ROOT, 'tests')!r}, {ROOT!r}]
+        import _trust_workers as W
+        if __name__ == "__main__":
+            W.failing_stage_with_on_exception_checkpoint(0, 2, {str(tmp_path / 'ckpt' / 'on-exception.ckpt')!r})
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    seconds = time.monotonic() - start
+    assert result.returncode != 0
+    assert seconds < BOUND
+    assert "RuntimeError: boom on rank 1" in result.stderr
+    assert not glob.glob(str(tmp_path / "ckpt" / "*"))
+
+
+@pytest.mark.parametrize("cause", ["unseeded random", "per-rank iterable", "loaders of unequal lengths"])
+def test_stages_with_different_batches_stop_at_the_first_difference_naming_the_stages_and_the_fixes(cause):
+    outcome = run_processes(W.different_batches, 2, cause, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    report = outcome.errors[1]
+    assert report.startswith("PipelineError: stage 0 (rank 0) and stage 1 hold different batches in backbone call"), \
+        report
+    assert "(made in `training_step`)" in report and "seed_everything" in report and "IterableDataset" in report
+    assert "stage 1 (rank 1) reported" in outcome.errors[0]
+
+
+def test_16_mixed_is_refused_at_setup_pointing_to_bf16_mixed():
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = L.Trainer(strategy=GPipeStrategy(), devices=1, plugins=[plugin], **M.trainer_kwargs(max_steps=1))
+    with pytest.raises(ValueError, match=r"precision='16-mixed' is not supported.*GradScaler.*bf16-mixed"):
+        trainer.fit(M.Net(), M.loader())
+
+
+def test_a_second_backward_through_the_pipeline_says_what_to_do_instead():
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), chunks=2)
+    loss = pipe(torch.randn(4, 4)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"second backward ran through the pipeline.*add the losses up"):
+        loss.backward()
