@@ -38,33 +38,38 @@ def current_hook(module: "pl.LightningModule") -> str:
     return getattr(module, "_current_fx_name", None) or ""
 
 
-def _reporting(function: Callable, on_failure: Callable[[BaseException], None]) -> Callable:
+OnFailure = Callable[[BaseException], Optional[BaseException]]
+
+
+def _reporting(function: Callable, on_failure: OnFailure) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
         except BaseException as error:
-            on_failure(error)
+            replacement = on_failure(error)
+            if replacement is not None:
+                raise replacement from error
             raise
 
     return run
 
 
 class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
-    on_failure: Callable[[BaseException], None]
+    on_failure: OnFailure
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         return super().launch(_reporting(function, self.on_failure), *args, trainer=trainer, **kwargs)
 
 
 class _ReportingMultiProcessingLauncher(_MultiProcessingLauncher):
-    on_failure: Callable[[BaseException], None]
+    on_failure: OnFailure
 
     def _wrapping_function(self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, *args: Any,
                            **kwargs: Any) -> None:
         super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
 
 
-def launcher(strategy: Any, start_method: str, on_failure: Callable[[BaseException], None]) -> _Launcher:
+def launcher(strategy: Any, start_method: str, on_failure: OnFailure) -> _Launcher:
     """Lightning's launcher for ``start_method``, reporting an exception of the trainer function first.
 
     Lightning catches an exception of ``fit`` (or ``validate``...) above the launcher and then calls
@@ -72,7 +77,8 @@ def launcher(strategy: Any, start_method: str, on_failure: Callable[[BaseExcepti
     ``OnExceptionCheckpoint`` would start a collective that the other stages, still waiting for
     the failed one, never join. Reported here, inside the launcher (inside each spawned process for
     spawn and fork), the failure reaches the other ranks before any callback runs. Lightning has no
-    hook at that point, so these subclass its launchers (private classes).
+    hook at that point, so these subclass its launchers (private classes). ``on_failure`` may return
+    another exception to raise instead (from the original).
     """
     chosen: Any
     if start_method == "popen":

@@ -97,6 +97,9 @@ class StageRunner:
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
         self.eval_calls = 0
+        #: Calls under way: an evaluation fill, or a training call whose drain has not finished. While there
+        #: are none, no message from a peer should wait untaken (see ``GPipe.idle_stray``).
+        self.open_calls = 0
         #: What names the caller's current context in every message (Lightning: the running hook), so that
         #: stages that make their calls from different places fail at once. Plain PyTorch: nothing.
         self.label: Callable[[], str] = lambda: ""
@@ -124,13 +127,22 @@ class StageRunner:
             # evaluation calls count apart, so that validating does not move the training's random streams
             call = _EVAL_CALLS + self.eval_calls
             self.eval_calls += 1
-            return microbatch.from_tuple(*self._fill(batch, _Run(call, (False, torch.float32), label), train=False))
+            self.open_calls += 1
+            try:
+                return microbatch.from_tuple(*self._fill(batch, _Run(call, (False, torch.float32), label), train=False))
+            finally:
+                self.open_calls -= 1
         call = self.calls
         self.calls += 1
         leaves = microbatch.tensors(batch)
         anchor = torch.empty(0, device=self.device, requires_grad=True)  # see _Bridge
         box: dict[str, Any] = {"label": label}
-        values = _Bridge.apply(self, batch, call, box, anchor, *leaves)
+        self.open_calls += 1  # until the drain ends
+        try:
+            values = _Bridge.apply(self, batch, call, box, anchor, *leaves)
+        except BaseException:
+            self.open_calls -= 1
+            raise
         return microbatch.from_tuple(values, box["is_tuple"])
 
     def _fingerprint(self, batch: Any) -> int:
@@ -317,6 +329,9 @@ class _Bridge(torch.autograd.Function):
                 "backbone output can be back-propagated only once: add the losses up and call backward once, or "
                 "call the backbone again for a second backward."
             )
-        with ctx.runner._span("drain"):
-            input_grads = ctx.runner._drain(run, grads) or [None] * ctx.num_leaves
+        try:
+            with ctx.runner._span("drain"):
+                input_grads = ctx.runner._drain(run, grads) or [None] * ctx.num_leaves
+        finally:
+            ctx.runner.open_calls -= 1
         return (None, None, None, None, None, *input_grads)

@@ -99,7 +99,11 @@ class FailureBoard:
         self._store = dist.PrefixStore(namespace, store) if store is not None else None
         self.rank, self.world_size, self.describe = rank, world_size, describe
         self._published = False
+        self._first = False  # whether this rank's failure was the one the store kept
         self._message: Optional[str] = None  # another rank's failure, as the poller last saw it
+        self._checks: list[Callable[[], Optional[str]]] = []
+        #: A failure of this rank that a background check found while its main thread was blocked elsewhere.
+        self.found: Optional[PipelineError] = None
         self._last_answer = time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -124,6 +128,15 @@ class FailureBoard:
         writer = threading.Thread(target=self._set_failure, args=(message,), daemon=True)
         writer.start()
         writer.join(timeout=2.0)  # a dead store must not hold the failing rank up
+
+    def add_check(self, check: Callable[[], Optional[str]]) -> None:
+        """Poll ``check`` with the store: a message it returns is published as this rank's failure.
+
+        For failures that only a background thread can see, because the main thread is blocked in a
+        call that will never return (a collective that the other ranks never join). The error is kept
+        in :attr:`found`, for the main thread to raise once its call breaks.
+        """
+        self._checks.append(check)
 
     def failure(self) -> Optional[str]:
         """Another rank's failure, if one is known."""
@@ -179,9 +192,10 @@ class FailureBoard:
         if self._store is None or self.rank != 0 or not self._threads:
             return
         deadline = time.monotonic() + seconds
+        readers = self.world_size - (1 if self._first else 2)  # the rank whose failure it is does not acknowledge
         while time.monotonic() < deadline:
             try:
-                if int(self._store.add(_ACKS, 0)) >= self.world_size - 1:
+                if int(self._store.add(_ACKS, 0)) >= readers:
                     return
             except Exception:
                 return
@@ -196,7 +210,8 @@ class FailureBoard:
 
     def _set_failure(self, message: str) -> None:
         try:
-            self._store.compare_set(_KEY, "", message)  # type: ignore[union-attr]
+            kept = self._store.compare_set(_KEY, "", message)  # type: ignore[union-attr]
+            self._first = self._first or kept.decode() == message
         except Exception:  # the store itself may be gone (its host died); nothing more can be said
             pass
 
@@ -206,6 +221,7 @@ class FailureBoard:
         last_seen = {r: (-1, time.monotonic()) for r in range(self.world_size) if r != self.rank}
         acknowledged = False
         while not self._stop.wait(poll):
+            self._run_checks()
             try:
                 store.add(f"beat/{self.rank}", 1)
                 self._check_heartbeats(last_seen, failure_timeout)
@@ -219,6 +235,16 @@ class FailureBoard:
                 if self._message is None:
                     self._message = (f"{self.describe(0)} (rank 0) is unreachable: the job's store, which rank 0 "
                                      f"hosts, failed ({type(error).__name__}: {error})")
+                return
+
+    def _run_checks(self) -> None:
+        if self._published or self._message is not None:
+            return
+        for check in self._checks:
+            message = check()
+            if message is not None:
+                self.found = PipelineError(message)
+                self.publish(self.found)
                 return
 
     def _check_heartbeats(self, last_seen: dict, failure_timeout: float) -> None:

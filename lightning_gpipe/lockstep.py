@@ -46,10 +46,9 @@ def check_message(message: Message, expected: Tag, sender: str, stage: int) -> M
     return message
 
 
-def stray_message_error(message: Message, sender: str, stage: int, doing: str) -> PipelineError:
-    """The error for a message that waits while this stage is blocked outside the pipeline (in ``doing``)."""
-    return PipelineError(
-        f"The pipeline's stages fell out of step: stage {stage} is in {doing}, which every rank of the pipeline "
-        f"must join, but {sender} sent {message.tag.describe()}, a call that this stage did not make. "
-        f"{OUT_OF_STEP_CAUSES}"
+def stray_message_error(message: Message, sender: str, stage: int, situation: str) -> str:
+    """The error for a message that waits untaken while stage ``stage`` is outside the pipeline (``situation``)."""
+    return (
+        f"The pipeline's stages fell out of step: {situation}, but {sender} sent {message.tag.describe()}, a call "
+        f"that stage {stage} did not make. {OUT_OF_STEP_CAUSES}"
     )

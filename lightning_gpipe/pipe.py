@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_gpipe import distributed, microbatch
 from lightning_gpipe.comm import Channels
 from lightning_gpipe.engine import StageRunner, Tracer
-from lightning_gpipe.failure import FailureBoard
+from lightning_gpipe.failure import FailureBoard, PipelineError
 from lightning_gpipe.lockstep import stray_message_error
 from lightning_gpipe.partition import balance_by_params, stage_bounds, validate_balance
 from lightning_gpipe.replicas import GradientSync
@@ -104,6 +104,7 @@ class GPipe(nn.Module):
         self._own_board = board is None
         self.board = board or FailureBoard.for_default_group(self.describe, namespace="lightning_gpipe")
         if self._own_board:
+            self.board.add_check(lambda: self.idle_stray(30.0))
             self.board.start(grace=10.0, failure_timeout=30.0)
         self.ranks = layout.pipeline_of(rank)
         self.group: Optional[dist.ProcessGroup] = None  # this pipeline's ranks ("pp"), for collectives across stages
@@ -157,9 +158,28 @@ class GPipe(nn.Module):
             channels = runner.channels if runner is not None else None
             stray = channels.stray(STRAY_GRACE) if channels is not None else None
             if stray is not None:
-                raise stray_message_error(stray[1], stray[0], self.stage, doing)
+                situation = f"stage {self.stage} is in {doing}, which every rank of the pipeline must join"
+                raise PipelineError(stray_message_error(stray[1], stray[0], self.stage, situation))
 
         return check
+
+    def idle_stray(self, older_than: float) -> Optional[str]:
+        """Why the stages are out of step, if a peer's message waited ``older_than`` s with no call under way.
+
+        Polled by a background thread (``FailureBoard.add_check``): it catches a peer that started a
+        backbone call this rank never makes while this rank is blocked in a collective that is not this
+        package's (Lightning's loop broadcasts from rank 0 before every training batch). A rank that is
+        merely slow outside the pipeline for that long is taken as out of step too, so ``older_than`` is
+        generous (the strategy's ``failure_timeout``).
+        """
+        channels = self.runner.channels
+        if channels is None or self.runner.open_calls:
+            return None
+        stray = channels.stray(older_than)
+        if stray is None:
+            return None
+        situation = f"stage {self.stage} has had no backbone call under way for {older_than:.0f}s"
+        return stray_message_error(stray[1], stray[0], self.stage, situation)
 
     @property
     def call_label(self) -> Callable[[], str]:

@@ -308,6 +308,9 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         self.pipe = self._build_pipe()
         module = self.lightning_module
         self.pipe.call_label = lambda: current_hook(module)  # type: ignore[arg-type]
+        pipe, board = self.pipe, self._board
+        if board is not None:
+            board.add_check(lambda: pipe.idle_stray(self.failure_timeout))
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicated()
@@ -389,14 +392,21 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         finally:
             sync.enabled = True
 
-    def _report_failure(self, exception: BaseException) -> None:
+    def _report_failure(self, exception: BaseException) -> Optional[BaseException]:
         """Tell the other ranks at once (before Lightning runs any callback's ``on_exception``), then stop
-        every collective of this rank: the peers will not join them."""
+        every collective of this rank: the peers will not join them.
+
+        Returns the error to raise instead: the one a background check of this rank found, when the
+        exception is only how the blocked call it found ended (a peer closed the connection).
+        """
         self._failed = True
-        if self._board is not None:
-            self._board.publish(exception)
+        board = self._board
+        if board is not None:
+            board.publish(exception)
         if self.pipe is not None and self.pipe.runner.channels is not None:  # threads may wait on dead peers
-            exit_without_finalizers(self._board)
+            exit_without_finalizers(board)
+        found = board.found if board is not None else None
+        return found if found is not None and found is not exception else None
 
     @property
     def failed(self) -> bool:
