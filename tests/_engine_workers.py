@@ -58,7 +58,13 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
     x, y = data()
     loss = F.cross_entropy(pipe({"x": x, "scale": 2.0}), y)
     loss.backward()
+    try:
+        [layer for layer in pipe]
+        iteration = "no error"
+    except TypeError as error:
+        iteration = str(error)
     result = {
+        "iteration": iteration,
         "loss": loss.item(),
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         "input_grad": x.grad.clone(),

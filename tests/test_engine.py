@@ -23,6 +23,11 @@ def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightnin
         torch.testing.assert_close(results[rank]["input_grad"], ref_input_grad, atol=1e-6, rtol=0)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=0)
+    # iterating a partitioned backbone would see some layers on some ranks only: refused on every rank
+    for rank, layers in enumerate(([0, 1, 2, 3], [4, 5, 6, 7])):
+        assert results[rank]["iteration"].startswith(f"The backbone is partitioned over 2 stages and this process "
+                                                     f"holds only layers {layers} (stage {rank})")
+        assert "local_layers()" in results[rank]["iteration"]
 
 
 def _deep(width=64, depth=8, dropout=0.0):
@@ -127,3 +132,9 @@ def test_pipeline_of_one_matches_plain_module_under_no_grad_and_with_grad():
     F.mse_loss(expected, torch.zeros_like(expected)).backward()
     for a, b in zip(pipe.parameters(), module.parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0)
+
+
+def test_a_pipeline_of_one_stage_iterates_like_its_sequential():
+    sequential = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    layers = list(sequential)
+    assert list(GPipe(sequential)) == layers and len(GPipe(nn.Sequential(nn.Tanh(), nn.ReLU()))) == 2
