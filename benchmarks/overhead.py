@@ -10,14 +10,50 @@ around it (no logger, checkpointing or progress bar, which cost the same with an
 come ready-made, so collation is not counted either). The two alternate in ABBA order inside one set
 of processes over ``--repeats``, so a drifting machine affects both alike; the overhead is the
 median Trainer step over the median engine step, minus one (target: at most 5%).
+
+It also prices the trust checks inside every step (target: at most 1% of the engine step): the
+batch fingerprint each stage takes, and the tag of every message (encoded by the sender, decoded and
+checked by the receiver), counted for the messages one rank handles per step: ``2 * chunks + 2``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+
+import torch
 
 import _common as C
+
+
+def _median_seconds(fn, repeats: int = 50) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def check_seconds(workload: C.Workload, batch_size: int, chunks: int, device: torch.device) -> dict[str, float]:
+    """What the lock-step checks and the batch fingerprint cost per step on one rank, in seconds."""
+    from lightning_gpipe.comm import Message, Tag, decode, encode
+    from lightning_gpipe.lockstep import check_message
+    from lightning_gpipe.microbatch import fingerprint
+
+    x, y = workload.batch(batch_size, device)
+    micro = x[:max(1, batch_size // chunks)]
+    tag = Tag("forward", 12, 3, "training_step", fingerprint((x, y)))
+
+    def message() -> None:
+        specs, got, is_tuple = decode(encode((micro,), (True,), False, tag))
+        check_message(Message((micro,), (True,), is_tuple, got), tag, "stage 0 (rank 0)", 1)
+
+    per_message, per_batch = _median_seconds(message), _median_seconds(lambda: fingerprint((x, y)))
+    messages = 2 * chunks + 2
+    return {"fingerprint_s": per_batch, "message_s": per_message, "messages": messages,
+            "checks_s": per_batch + messages * per_message}
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -46,9 +82,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             for side in (("engine", "trainer") if repeat % 2 == 0 else ("trainer", "engine")):
                 times[side].append((engine if side == "engine" else trainer)())
         engine_s, trainer_s = statistics.median(times["engine"]), statistics.median(times["trainer"])
+        checks = check_seconds(workload, args.batch_size, args.chunks, device)
         rows.append({"model": workload.name, "describe": workload.describe, "stages": world, "chunks": args.chunks,
                      "engine_step_s": engine_s, "trainer_step_s": trainer_s, "overhead": trainer_s / engine_s - 1,
-                     "runs": times})
+                     "runs": times, **checks, "checks_share": checks["checks_s"] / engine_s})
     return rows
 
 
@@ -77,6 +114,11 @@ def main() -> None:
                      [[r["describe"], f"{1e3 * r['engine_step_s']:.1f}", f"{1e3 * r['trainer_step_s']:.1f}",
                        f"{100 * r['overhead']:+.1f}%", " ".join(f"{1e3 * t:.0f}" for t in r["runs"]["trainer"]),
                        " ".join(f"{1e3 * t:.0f}" for t in r["runs"]["engine"])] for r in rows]))
+    print("\nTrust checks per step on one rank: the batch fingerprint, and the tag of each message it handles\n")
+    print(C.markdown(["model", "fingerprint ms", "tag per message us", "messages", "checks ms", "share of step"],
+                     [[r["describe"], f"{1e3 * r['fingerprint_s']:.3f}", f"{1e6 * r['message_s']:.1f}",
+                       r["messages"], f"{1e3 * r['checks_s']:.3f}", f"{100 * r['checks_share']:.2f}%"]
+                      for r in rows]))
     C.write_json(args.out, {"machine": info, "args": vars(args), "rows": rows})
 
 

@@ -68,7 +68,9 @@ def test_overhead_compares_the_trainer_with_the_bare_engine_per_model(tmp_path):
     for row in result["rows"]:
         assert len(row["runs"]["engine"]) == len(row["runs"]["trainer"]) == 2
         assert math.isclose(row["overhead"], row["trainer_step_s"] / row["engine_step_s"] - 1)
-    assert "Trainer over bare engine" in output
+        assert row["messages"] == 2 * 2 + 2 and 0 < row["fingerprint_s"] < row["checks_s"]
+        assert math.isclose(row["checks_share"], row["checks_s"] / row["engine_step_s"])
+    assert "Trainer over bare engine" in output and "Trust checks per step" in output
 
 
 def test_balance_benchmark_compares_the_uniform_params_and_time_splits(tmp_path):
