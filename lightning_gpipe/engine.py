@@ -9,7 +9,7 @@ gradient sent to the previous stage. Parameter gradients build up in place, as i
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -93,6 +93,7 @@ class StageRunner:
         self.channels, self.chunks, self.checkpoint = channels, chunks, checkpoint
         self.device, self.seed = device, seed
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
+        self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
         self.eval_calls = 0
         self.tracer: Optional[Tracer] = None
@@ -288,4 +289,6 @@ class _Bridge(torch.autograd.Function):
         run, ctx.run = ctx.run, None
         with ctx.runner._span("drain"):
             input_grads = ctx.runner._drain(run, grads) or [None] * ctx.num_leaves
+            if ctx.runner.after_drain is not None:
+                ctx.runner.after_drain()
         return (None, None, None, None, None, *input_grads)
