@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpipe import optim_state, state
+from lightning_gpipe import optim_state, state, tied
 from lightning_gpipe._lightning import optimizers_to_device, silence_not_resumable_warning
 from lightning_gpipe.checkpoint import atomic_write, is_sharded, load_sharded, save_sharded
 from lightning_gpipe.pipe import GPipe
@@ -171,7 +171,7 @@ class PipelineCheckpoints:
         module = self.lightning_module
         assert module is not None
         model_keys = set(module.state_dict())
-        param_keys = {n for n, _ in module.named_parameters()}
+        param_keys = {n for n, _ in module.named_parameters()} | set(tied.canonical_names(module).values())
 
         def wanted(keys: tuple) -> bool:
             if keys[0] == "state_dict":

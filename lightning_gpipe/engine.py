@@ -9,7 +9,7 @@ gradient sent to the previous stage. Parameter gradients build up in place, as i
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -95,6 +95,7 @@ class StageRunner:
         self.channels, self.chunks, self.checkpoint = channels, chunks, checkpoint
         self.device, self.seed = device, seed
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
+        self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
         self.eval_calls = 0
         #: Calls under way: an evaluation fill, or a training call whose drain has not finished. While there
@@ -332,6 +333,8 @@ class _Bridge(torch.autograd.Function):
         try:
             with ctx.runner._span("drain"):
                 input_grads = ctx.runner._drain(run, grads) or [None] * ctx.num_leaves
+                if ctx.runner.after_drain is not None:
+                    ctx.runner.after_drain()
         finally:
             ctx.runner.open_calls -= 1
         return (None, None, None, None, None, *input_grads)

@@ -15,6 +15,9 @@ from typing import Any, Optional
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_gpipe.failure import PipelineError
+from lightning_gpipe.tied import canonical_names
+
 __all__ = ["Layout", "param_names", "named_state", "layout", "merge", "localize", "from_named"]
 
 #: For each param group, the names of its parameters across the whole model, in one-device order.
@@ -28,6 +31,7 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
 def param_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
     """The names (in ``module``) of each param group's parameters on this rank."""
     names = {id(p): n for n, p in module.named_parameters()}
+    names.update(canonical_names(module))  # a stage's copy of a tied parameter goes by the whole model's name
     try:
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     except KeyError:
@@ -53,6 +57,15 @@ def layout(local_names: Sequence[list[list[str]]], full_order: Sequence[str]) ->
     if any(len(names) != groups for names in local_names):
         raise ValueError("The stages' optimizers have different numbers of param groups; configure_optimizers must "
                          "build the same groups on every stage.")
+    group_of: dict[str, int] = {}
+    for stage, names_of_stage in enumerate(local_names):
+        for g, names in enumerate(names_of_stage):
+            for name in names:
+                if group_of.setdefault(name, g) != g:  # a tied parameter's copies: one per stage
+                    raise PipelineError(
+                        f"The tied parameter {name!r} is in param group {group_of[name]} on one stage and in group {g} "
+                        f"on stage {stage}: its copies would be stepped differently. configure_optimizers must put "
+                        "every name of a tied parameter into the same param group.")
     merged = []
     for g in range(groups):
         names = {n for stage in local_names for n in stage[g]}

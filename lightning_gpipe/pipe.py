@@ -17,6 +17,7 @@ from lightning_gpipe.failure import FailureBoard, PipelineError
 from lightning_gpipe.lockstep import stray_message_error
 from lightning_gpipe.partition import balance_by_params, stage_bounds, validate_balance
 from lightning_gpipe.replicas import GradientSync
+from lightning_gpipe.tied import TiedCopies, find_ties, untie
 from lightning_gpipe.topology import PipeLayout
 
 __all__ = ["GPipe", "make_mesh", "STRAY_GRACE"]
@@ -57,6 +58,17 @@ class GPipe(nn.Module):
         loss.backward()                  # each process gets the gradients of its own stage
         torch.optim.SGD(pipe.parameters(), lr=0.1).step()
 
+    Tied weights: a parameter shared by layers on different stages (``last.weight = first.weight``)
+    stays one parameter in effect. Each stage that uses it holds its own copy (a separate Parameter);
+    at the end of every backward the copies' gradients are summed over their stages (and averaged over
+    replicas), so every copy gets the one-device gradient, and the copies' values are compared: they
+    must stay equal, so step them alike (same param group and hyperparameters on every stage), or a
+    :class:`~lightning_gpipe.PipelineError` names the parameter. A copy's local name may differ from
+    the whole model's (:meth:`tied_names`); the whole model's is its first name in the Sequential. To
+    count the whole model once (a gradient norm, a size), skip ``pipe.ties.counted_elsewhere()``. One
+    module *object* placed twice must stay on one stage (construction raises otherwise), and a
+    parameter shared with a module outside the pipeline is not kept tied: put that module inside.
+
     Args:
         module: the layers, in order.
         balance: layers per stage, one entry per stage; by default an optimal split by parameter count.
@@ -95,6 +107,8 @@ class GPipe(nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         start, stop = stage_bounds(self.balance)[self.stage]
         self.num_layers = len(module)
+        ties = find_ties(module, self.balance)  # raises if one module object would run on two stages
+        untie(module, ties, self.stage)  # before the move to meta, which must not touch this stage's copies
         for index, layer in enumerate(module):
             if start <= index < stop:
                 self.add_module(str(index), layer.to(self.device))
@@ -117,10 +131,14 @@ class GPipe(nn.Module):
         channels = Channels(layout, rank, self.device, self.board, timeout) if stages > 1 else None
         if seed is None:
             seed = self.broadcast(torch.initial_seed())
-        layers = [(int(name), layer) for name, layer in self.named_children()]
+        layers = [(index, module[index]) for index in range(start, stop)]  # a layer placed twice runs twice
         self.runner = StageRunner(layers, self.stage, self.ranks, channels, chunks, checkpoint, self.device, seed)
+        self.ties = TiedCopies(module, ties, self.stage, layout, rank, self.device)  # collective with ties
+        self.runner.after_drain = self.ties.after_drain
         if self.replica_group is not None:
-            self.runner.grad_sync = GradientSync(self.parameters(), self.replica_group)
+            tied = self.ties.excluded()  # their replica average is part of the tie's sum
+            self.runner.grad_sync = GradientSync([p for p in self.parameters() if id(p) not in tied],
+                                                 self.replica_group)
 
     def sync_gradients(self, replicated: Optional[list[nn.Parameter]] = None) -> None:
         """Average this stage's gradients (and ``replicated`` ones) over the data-parallel replicas.
@@ -232,6 +250,11 @@ class GPipe(nn.Module):
     def forward(self, batch: Any) -> microbatch.Outputs:
         return self.runner(batch)
 
+    def tied_names(self) -> dict[str, str]:
+        """This stage's name of each parameter tied across stages -> its name in the whole Sequential, where
+        they differ (``{"6.weight": "0.weight"}`` on the stage of layer 6 when layers 0 and 6 share a weight)."""
+        return self.ties.canonical_names()
+
     def full_sequential(self) -> nn.Sequential:
         """The Sequential this pipeline was built from (other stages' layers are on ``meta`` until reassembled)."""
         return self._full[0]
@@ -244,6 +267,7 @@ class GPipe(nn.Module):
         if self.runner.grad_sync is not None:
             self.runner.grad_sync.remove()
             self.runner.grad_sync = None
+        self.ties.close()
         if self._own_mesh:
             for group in (self.group, self.replica_group):
                 if group is not None:

@@ -74,9 +74,11 @@ def reassemble(pipe: GPipe) -> nn.Sequential:
 
     The other stages' layers were moved to ``meta``; they get real storage back and are filled with
     the values gathered from their stages, buffers included (also the non-persistent ones, which a
-    ``state_dict`` would leave out).
+    ``state_dict`` would leave out). Tied parameters are tied again.
     """
-    own = {name: t.detach().cpu() for name, t in [*pipe.named_parameters(), *pipe.named_buffers()]}
+    # every name of a shared tensor, so that each place of a tie gets filled (then `retie` joins them)
+    own = {name: t.detach().cpu() for name, t in [*pipe.named_parameters(remove_duplicate=False),
+                                                   *pipe.named_buffers(remove_duplicate=False)]}
     parts = gather_objects(pipe, own, to_all=True)
     values = {k: v for part in parts or [] for k, v in part.items()}
     full = pipe.full_sequential()
@@ -91,4 +93,5 @@ def reassemble(pipe: GPipe) -> nn.Sequential:
                 if key not in values:
                     raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
                 tensor.data = values[key]
+    pipe.ties.retie(full)  # shared parameters are one Parameter again, as in the user's Sequential
     return full

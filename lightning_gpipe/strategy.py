@@ -42,6 +42,7 @@ from lightning_gpipe.profiling import COST_KINDS, LayerCosts, profile_layers
 from lightning_gpipe.replicas import broadcast_from_first_replica
 from lightning_gpipe.schedule import CHECKPOINT_MODES
 from lightning_gpipe.summary import use_pipeline_summaries
+from lightning_gpipe.tied import refuse_ties_outside
 from lightning_gpipe.topology import PipeLayout
 
 __all__ = ["GPipeStrategy"]
@@ -257,9 +258,11 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         balance = self._choose_balance(sequential, layout.pipe_size)
         if self.deferred_batch_norm:  # after profiling (which would count as micro-batches), before partitioning
             DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
+        refuse_ties_outside(module, sequential, self.backbone + ".")
         self._full_names = [n for n, _ in module.named_parameters()]
         pipe = GPipe(sequential, balance, chunks=self.chunks, checkpoint=self.checkpoint, layout=layout,
                      device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board, mesh=self._mesh)
+        pipe.ties.prefix = self.backbone + "."
         setattr(owner, name, pipe)
         return pipe
 
@@ -460,6 +463,7 @@ def _use_global_norm_clipping(plugin: Precision, strategy: GPipeStrategy) -> Non
         pipe = strategy.pipe
         assert pipe is not None
         clipping.clip_grad_norm_(self.main_params(optimizer), clip_val, pipe.parameters(),
-                                 count_replicated=pipe.stage == 0, group=pipe.group)
+                                 count_replicated=pipe.stage == 0, group=pipe.group,
+                                 counted_elsewhere=pipe.ties.counted_elsewhere())
 
     plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]

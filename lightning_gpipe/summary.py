@@ -16,7 +16,8 @@ __all__ = ["PipelineSummary", "use_pipeline_summaries"]
 
 def _counts(pipe: GPipe) -> tuple[int, int]:
     """Parameters and trainable parameters of the whole backbone; collective over the pipeline."""
-    params = list(pipe.parameters())
+    elsewhere = {id(p) for p in pipe.ties.counted_elsewhere()}  # a tied parameter counts once
+    params = [p for p in pipe.parameters() if id(p) not in elsewhere]
     counts = torch.tensor([sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)])
     if pipe.group is not None:
         dist.all_reduce(counts, group=pipe.group)

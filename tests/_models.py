@@ -97,3 +97,65 @@ def fit_record(model: Net, trainer: L.Trainer, data: DataLoader) -> dict:
         "weights": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "optimized": list(model.optimized),
     }
+
+
+def tied_mlp() -> nn.Sequential:
+    """Seven layers whose last one shares its weight with the first and its bias with the third.
+
+    The first and the last layer land on the first and the last stage, as an embedding and the output
+    layer of a language model do; the ties are the same Parameter object, as ``last.weight = first.weight``.
+    """
+    layers = [nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, FEATURES), nn.Tanh(),
+              nn.Linear(FEATURES, 8)]
+    layers[6].weight = layers[0].weight
+    layers[6].bias = layers[2].bias
+    return nn.Sequential(*layers)
+
+
+#: The tied copies' local names (on the stage of layer 6) -> their one-device names.
+TIED_ALIASES = {"backbone.6.weight": "backbone.0.weight", "backbone.6.bias": "backbone.2.bias"}
+
+
+def is_tied(backbone: nn.Module) -> bool:
+    """Whether the ties of :func:`tied_mlp` are the same Parameter objects."""
+    return backbone[6].weight is backbone[0].weight and backbone[6].bias is backbone[2].bias
+
+
+class TiedNet(Net):
+    """:class:`Net` with the tied backbone.
+
+    ``manual``: manual optimization with two backward passes per step (the halves of the batch) and
+    norm clipping. ``optimizer="by_name"``: SGD whose learning rate depends on which parameter names
+    this process sees, which steps the copies of a tie differently when they are split over stages.
+    """
+
+    def __init__(self, optimizer: str = "sgd", manual: bool = False, same_layer_twice: bool = False):
+        super().__init__(optimizer=optimizer)
+        if same_layer_twice:  # one Linear object at indices 1 and 3
+            shared = nn.Linear(8, 8)
+            self.backbone = nn.Sequential(nn.Linear(FEATURES, 8), shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(8, 8))
+        else:
+            self.backbone = tied_mlp()
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        optimizer = self.optimizers()
+        x, y = batch
+        total = 0.0
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):  # gradients accumulate over two backward passes
+            loss = F.cross_entropy(self(xs), ys) * (len(xs) / len(x))
+            self.manual_backward(loss)
+            total += loss.item()
+        self.losses.append(total)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        if self.optimizer_name != "by_name":
+            return super().configure_optimizers()
+        self.optimized = [n for n, _ in self.named_parameters()]
+        lr = 0.2 if "backbone.6.weight" in self.optimized else 0.1
+        return torch.optim.SGD(self.parameters(), lr=lr)
