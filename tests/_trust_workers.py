@@ -94,3 +94,11 @@ def different_batches(rank: int, world_size: int, cause: str) -> None:
     else:  # rank 1 has one batch less per epoch, so its second epoch starts while rank 0 is still in its first
         data = M.loader(samples=40 - 8 * rank, shuffle=False)
     _fit(M.Net(), world_size, data=data, max_steps=-1, max_epochs=2)
+
+
+def fp16_fit(rank: int, world_size: int) -> None:
+    """``16-mixed`` with a GradScaler, which the strategy refuses at setup on every rank."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    _fit(M.Net(), world_size, plugins=[plugin])

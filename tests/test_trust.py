@@ -97,6 +97,13 @@ def test_16_mixed_is_refused_at_setup_pointing_to_bf16_mixed():
         trainer.fit(M.Net(), M.loader())
 
 
+def test_16_mixed_is_refused_on_every_rank_of_a_pipeline_before_the_first_step():
+    outcome = run_processes(W.fp16_fit, 2, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    for error in outcome.errors:
+        assert error.startswith("ValueError: precision='16-mixed' is not supported by the gpipe strategy"), error
+
+
 def test_a_second_backward_through_the_pipeline_says_what_to_do_instead():
     pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), chunks=2)
     loss = pipe(torch.randn(4, 4)).sum()
