@@ -9,6 +9,8 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor
 
+from lightning_gpipe.rng import mix64
+
 __all__ = [
     "Outputs", "tensors", "map_tensors", "batch_size", "split_sizes", "split", "scatter", "gather", "as_tuple",
     "from_tuple", "fingerprint",
@@ -138,14 +140,6 @@ _MASK64 = (1 << 64) - 1
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _mix(value: int) -> int:
-    """splitmix64's finalizer: a cheap bijection of 64-bit integers with good avalanche."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
-
-
 def _checksums(t: Tensor) -> list[int]:
     """Two sums of the tensor's bits: plain, and weighted by position, so that reordered values change it."""
     t = t.detach()
@@ -173,5 +167,5 @@ def fingerprint(batch: Any) -> int:
     digest = 0
     for t in tensors(batch):
         for part in (zlib.crc32(str(t.dtype).encode()), t.dim(), *t.shape, *_checksums(t)):
-            digest = _mix(digest ^ (part & _MASK64))
+            digest = mix64(digest ^ (part & _MASK64))
     return (digest >> 1) or 1  # 0 means "not checked" in a message header

@@ -13,12 +13,12 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["layer_seed", "isolated_rng", "seed_layer"]
+__all__ = ["layer_seed", "isolated_rng", "seed_layer", "mix64"]
 
 _MASK64 = (1 << 64) - 1
 
 
-def _mix(value: int) -> int:
+def mix64(value: int) -> int:
     """splitmix64's finalizer: a cheap bijection of 64-bit integers with good avalanche."""
     value = (value + 0x9E3779B97F4A7C15) & _MASK64
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -34,7 +34,7 @@ def layer_seed(seed: int, call: int, micro: int, layer: int) -> int:
     """
     value = seed & _MASK64
     for part in (call, micro, layer):
-        value = _mix(value ^ _mix(part & _MASK64))
+        value = mix64(value ^ mix64(part & _MASK64))
     return value >> 1
 
 
