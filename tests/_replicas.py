@@ -17,9 +17,9 @@ STEPS, BATCH = 5, 8  # per replica; 20 samples a replica: batches of 8, 8, 4, so
 
 
 def _fit(strategy: Any, devices: int, max_steps: int = STEPS, ckpt_path: str | None = None, save_every: int = 0,
-         directory: str = "", **model: Any) -> dict[str, Any]:
+         directory: str = "", tied: bool = False, **model: Any) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
-    net = M.Net(**model)
+    net = M.TiedNet(**model) if tied else M.Net(**model)
     callbacks = [ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every,
                                  save_top_k=-1)] if save_every else []
     trainer = L.Trainer(strategy=strategy, devices=devices,
@@ -47,6 +47,8 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         return GPipeStrategy(pipe_size=2, chunks=2, **kwargs)
 
     out: dict[str, Any] = {"2x2": _fit(gpipe(), 4, sync_dist=True)}
+    # both ties of the tied backbone span the two stages: summed over the stages, averaged over the replicas
+    out["2x2 tied"] = _fit(gpipe(balance=[3, 4]), 4, tied=True, optimizer="adam")
     trainer = L.Trainer(strategy=gpipe(), devices=4, **M.trainer_kwargs(max_steps=1))
     trainer.fit(M.Net(), M.loader(batch_size=BATCH))
     out["sum over replicas"] = float(trainer.strategy.reduce(torch.tensor(float(rank)), reduce_op="sum"))
@@ -78,9 +80,9 @@ def global_batches(replica_count: int = 2) -> list[list[int]]:
     return steps[:STEPS]
 
 
-def one_device_on_the_global_batch() -> dict[str, Any]:
+def one_device_on_the_global_batch(tied: bool = False, **model: Any) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
-    net = M.Net()
+    net = M.TiedNet(**model) if tied else M.Net(**model)
     loader = DataLoader(M.dataset(), batch_sampler=global_batches())
     trainer = L.Trainer(devices=1, **M.trainer_kwargs(max_steps=STEPS))
     trainer.fit(net, loader)

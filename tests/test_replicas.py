@@ -33,6 +33,24 @@ def test_two_replicas_of_two_stages_equal_one_device_on_the_global_batch(runs):
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(reference["losses"]), atol=1e-6, rtol=0)
 
 
+def test_tied_weights_in_two_replicas_of_two_stages_equal_one_device_on_the_global_batch(runs):
+    reference = R.one_device_on_the_global_batch(tied=True, optimizer="adam")
+    for rank in range(4):
+        _close(runs[rank]["2x2 tied"]["weights"], reference["weights"])
+    # every holder of a tie got the whole gradient: the sum over its stages, averaged over the replicas
+    for rank in range(4):
+        for name in ("backbone.0.weight", "backbone.2.bias"):
+            if name in runs[rank]["2x2 tied"]["grads"]:
+                torch.testing.assert_close(runs[rank]["2x2 tied"]["grads"][name], reference["grads"][name], atol=1e-6,
+                                           rtol=0)
+    # stage 1 holds its copies under the names of its own layers: the same gradients as the canonical ones
+    aliases = {"backbone.6.weight": "backbone.0.weight", "backbone.6.bias": "backbone.2.bias"}
+    grads = {**runs[0]["2x2 tied"]["grads"], **runs[1]["2x2 tied"]["grads"]}
+    for alias, name in aliases.items():
+        torch.testing.assert_close(grads.pop(alias), reference["grads"][name], atol=1e-6, rtol=0)
+    _close(grads, reference["grads"])
+
+
 def test_logged_metrics_are_reduced_over_the_replicas_not_the_stages(runs):
     last = (runs[0]["2x2"]["losses"][-1] + runs[2]["2x2"]["losses"][-1]) / 2
     for rank in range(4):
