@@ -15,14 +15,16 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_gpipe.microbatch import batch_size
 from lightning_gpipe.profiling import capture_input, sample_micro_batch
 
 __all__ = [
-    "backbone_sample", "first_batch", "init_process_group", "log_to_loggers", "optimizers_to_device",
+    "MainProcessLauncher", "backbone_sample", "first_batch", "init_process_group", "log_to_loggers", "optimizers_to_device",
     "preserved_rng", "should_update_logs", "silence_not_resumable_warning",
 ]
 
@@ -159,3 +161,39 @@ def backbone_sample(module: "pl.LightningModule", backbone: nn.Module, name: str
 
 def _described(sample: Any, origin: str) -> tuple[Any, str]:
     return sample, f"a micro-batch of {batch_size(sample)} samples from {origin}"
+
+
+class MainProcessLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, but a sharded run leaves no untrained layers in the main process.
+
+    Lightning hands rank 0's ``state_dict`` back to the main process and loads it with ``strict=False``
+    (a private method, overridden here only). After a sharded run rank 0 holds the other stages'
+    layers on ``meta`` (nothing is gathered), and copying from ``meta`` fails. Skipping those entries
+    would leave the main process silently holding the untrained initial weights of the other stages;
+    so those tensors become ``meta`` in the main process too, where any use fails loudly, and a
+    warning says how to get the whole model.
+    """
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: "pl.Trainer") -> None:
+        path = worker_output.weights_path
+        if path is None or getattr(self._strategy, "state_dict_type", "full") != "sharded":
+            return super()._recover_results_in_main_process(worker_output, trainer)
+        weights = self._strategy.checkpoint_io.load_checkpoint(path)
+        module = trainer.lightning_module
+        meta = [k for k, v in weights.items() if isinstance(v, torch.Tensor) and v.is_meta]
+        for key in meta:
+            owner_name, _, name = key.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            if name in owner._parameters:
+                owner._parameters[name] = nn.Parameter(owner._parameters[name].to("meta"),
+                                                       requires_grad=owner._parameters[name].requires_grad)
+            elif name in owner._buffers:
+                owner._buffers[name] = owner._buffers[name].to("meta")
+        module.load_state_dict({k: v for k, v in weights.items() if k not in set(meta)}, strict=False)
+        self._strategy.checkpoint_io.remove_checkpoint(path)
+        if meta:
+            rank_zero_warn(
+                f"state_dict_type='sharded': the model in the main process holds only the first stage's trained "
+                f"layers; {len(meta)} tensors of the other stages are on the meta device. Load the whole model from "
+                "the sharded checkpoint with `lightning_gpipe.checkpoint.consolidate(path)`.", category=UserWarning)
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)

@@ -19,14 +19,15 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_gpipe import clipping, optim_state, state
 from lightning_gpipe._checkpoints import PipelineCheckpoints
 from lightning_gpipe._collectives import ReplicaCollectives
-from lightning_gpipe._lightning import backbone_sample, init_process_group, optimizers_to_device, preserved_rng
+from lightning_gpipe._lightning import (MainProcessLauncher, backbone_sample, init_process_group, optimizers_to_device,
+                                       preserved_rng)
 from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
 from lightning_gpipe.partition import balance as optimal_balance
@@ -186,7 +187,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = MainProcessLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -382,17 +383,34 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Put the whole trained backbone back into the LightningModule (on every rank, on the CPU)."""
+        """Put the backbone back into the LightningModule as an ``nn.Sequential``.
+
+        Full mode: the whole trained backbone, on every rank (the other stages' layers on the CPU).
+        Sharded mode is for models that do not fit one host, so nothing is gathered: each rank keeps its
+        own stage's trained layers and the other stages' layers stay on ``meta``, where any use fails
+        loudly instead of running with untrained weights.
+        """
+        sharded: Optional[tuple[nn.Module, str, nn.Sequential]] = None
         if self.pipe is not None and not self._failed:
             module = self.lightning_module
             assert module is not None
             owner, name = self._backbone_owner(module)
-            setattr(owner, name, state.reassemble(self.pipe))
+            if self.state_dict_type == "sharded":  # put in after Lightning's `module.cpu()`, which meta would fail
+                sharded = (owner, name, self.pipe.full_sequential())
+            else:
+                setattr(owner, name, state.reassemble(self.pipe))
             self.pipe.close()
         self.pipe = None
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
             self._board.stop()
         super().teardown()
+        if sharded is not None:
+            owner, name, sequential = sharded
+            setattr(owner, name, sequential)
+            rank_zero_info(
+                f"state_dict_type='sharded': after the run each rank holds only its own stage of `{self.backbone}` "
+                "(the other layers are on the meta device). For the whole model, load the sharded checkpoint "
+                "with `lightning_gpipe.checkpoint.consolidate(path)`.")
 
     @classmethod
     @override
