@@ -20,7 +20,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -176,10 +176,12 @@ def sharded_model_keys(path: str) -> list[str]:
     return [keys[1] for keys in metadata.planner_data.values() if keys[0] == "state_dict"]
 
 
-def load_sharded(path: str, wanted: Callable[[tuple], bool]) -> dict[str, Any]:
+def load_sharded(path: str, wanted: Callable[[tuple], bool], collective: Optional[bool] = None) -> dict[str, Any]:
     """Read back the entries of a sharded checkpoint whose key path ``wanted`` accepts, plus its metadata.
 
     A stage asks for the names it holds, so a checkpoint written with another split loads too.
+    ``collective`` (default: whether a process group exists) makes every rank take part in the read;
+    a single process reading on its own must pass ``False``, or it waits for the others forever.
     """
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
@@ -193,7 +195,8 @@ def load_sharded(path: str, wanted: Callable[[tuple], bool]) -> dict[str, Any]:
         else:
             target[tuple(keys)] = None  # a pickled value, filled in by the load
     nested = _nested(target)
-    dcp.load(nested, checkpoint_id=path, planner=_WeightsOnlyPlanner(), no_dist=not dist.is_initialized())
+    dcp.load(nested, checkpoint_id=path, planner=_WeightsOnlyPlanner(), 
+             no_dist=not (dist.is_initialized() if collective is None else collective))
     checkpoint = load_metadata(path)
     checkpoint["state_dict"] = nested.get("state_dict", {})
     optimizers = nested.get("optimizer_states", {})
@@ -202,13 +205,14 @@ def load_sharded(path: str, wanted: Callable[[tuple], bool]) -> dict[str, Any]:
 
 
 def consolidate(path: str) -> dict[str, Any]:
-    """A sharded checkpoint as one in-memory Lightning checkpoint, without processes.
+    """A sharded checkpoint as one in-memory Lightning checkpoint, without processes (in one process of a
+    job too: it reads alone).
 
     Its ``state_dict`` is the whole model's, so ``torch.save`` it and ``Model.load_from_checkpoint``
     works on one device; its optimizer states stay keyed by parameter name, which this package's
     strategy resumes from with any number of stages.
     """
-    checkpoint = load_sharded(path, wanted=lambda keys: True)
+    checkpoint = load_sharded(path, wanted=lambda keys: True, collective=False)
     order = checkpoint.get("gpipe", {}).get("state_dict_keys")
     if order:
         checkpoint["state_dict"] = {k: checkpoint["state_dict"][k] for k in order}
