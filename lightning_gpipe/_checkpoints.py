@@ -151,7 +151,8 @@ class PipelineCheckpoints:
         self._saved_model_keys = None
         if is_sharded(path):
             checkpoint = load_sharded(path, self._wanted_keys())
-            self._saved_model_keys = sharded_model_keys(path)
+            order = {k: i for i, k in enumerate(checkpoint.get("gpipe", {}).get("state_dict_keys") or [])}
+            self._saved_model_keys = sorted(sharded_model_keys(path), key=lambda k: order.get(k, len(order)))
         else:
             checkpoint = super().load_checkpoint(checkpoint_path,
                                                  weights_only=True if weights_only is None else weights_only)
