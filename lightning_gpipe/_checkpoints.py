@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpipe import optim_state, state, tied
 from lightning_gpipe._lightning import optimizers_to_device, silence_not_resumable_warning
-from lightning_gpipe.checkpoint import atomic_write, is_sharded, load_sharded, save_sharded
+from lightning_gpipe.checkpoint import atomic_write, is_sharded, load_sharded, save_sharded, sharded_model_keys
 from lightning_gpipe.pipe import GPipe
 from lightning_gpipe.resumable import RandomState, resumable
 
@@ -44,6 +45,7 @@ class PipelineCheckpoints:
     _loader_position: Optional[dict[str, Any]]
     _batch_idx: int
     failed: bool
+    _saved_model_keys: Optional[list[str]] = None  # a sharded checkpoint's model keys (each stage reads its own)
 
     # -- data ------------------------------------------------------------------------------------------
 
@@ -134,7 +136,8 @@ class PipelineCheckpoints:
             return
         if self.pipe is not None:
             checkpoint["gpipe"] = {"calls": self.pipe.runner.calls, "seed": self.pipe.runner.seed,
-                                   "stages": self.layout.pipe_size, "balance": self.pipe.balance}
+                                   "chunks": self.pipe.chunks, "stages": self.layout.pipe_size,
+                                   "balance": list(self.pipe.balance)}
             if self._loaders and hasattr(self._loaders[0], "position"):
                 checkpoint["gpipe"]["loader"] = self._loaders[0].position()
         path = str(filepath)
@@ -153,18 +156,73 @@ class PipelineCheckpoints:
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a full file (``weights_only=True`` unless asked otherwise) or this stage's part of a sharded one."""
         path = str(checkpoint_path)
+        self._saved_model_keys = None
         if is_sharded(path):
             checkpoint = load_sharded(path, self._wanted_keys())
+            order = {k: i for i, k in enumerate(checkpoint.get("gpipe", {}).get("state_dict_keys") or [])}
+            self._saved_model_keys = sorted(sharded_model_keys(path), key=lambda k: order.get(k, len(order)))
         else:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(checkpoint_path,
+                                                 weights_only=True if weights_only is None else weights_only)
         saved = checkpoint.get("gpipe")
         if saved is not None and self.pipe is not None:  # the random streams go on where they stopped
-            self.pipe.runner.calls, self.pipe.runner.seed = saved["calls"], saved["seed"]
+            self.pipe.runner.calls = saved["calls"]
+            if self.seed is None:  # an explicit seed= wins (and warns), else the checkpoint's
+                self.pipe.runner.seed = saved["seed"]
+            self._warn_if_random_streams_change(saved)
         if saved is not None and saved.get("loader") is not None:
             self._loader_position = saved["loader"]  # for the training loader the loop makes next
             silence_not_resumable_warning()
         return checkpoint
+
+    def _warn_if_random_streams_change(self, saved: dict[str, Any]) -> None:
+        """Warn once (rank 0) when a training resume draws other dropout masks than the run it continues.
+
+        The masks are keyed by (seed, call, micro-batch, layer): another ``chunks`` cuts other
+        micro-batches, another seed draws other streams. Another K or balance changes neither.
+        """
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or self.pipe is None:
+            return
+        changed = [f"{name}={now} (the checkpoint's: {then})"
+                   for name, now, then in (("chunks", self.pipe.chunks, saved.get("chunks")),
+                                           ("seed", self.pipe.runner.seed, saved.get("seed")))
+                   if then is not None and now != then]
+        if changed:
+            rank_zero_warn(
+                f"Resuming with {' and '.join(changed)}. Dropout's random streams are keyed by (seed, call, "
+                "micro-batch, layer), so the random layers draw other masks and the results will differ from "
+                f"an uninterrupted run. To keep them, resume with GPipeStrategy(chunks={saved.get('chunks')}) "
+                "and leave `seed` unset (the checkpoint's seed is then used) or set it to "
+                f"{saved.get('seed')}. A different number of stages or balance is fine.", category=UserWarning)
+
+    def _model_keys(self) -> list[str]:
+        """The whole model's ``state_dict`` keys, as one device has them (the other stages' layers included)."""
+        module = self.lightning_module
+        assert module is not None
+        local = module.state_dict(keep_vars=True)
+        if self.pipe is None:
+            return list(local)
+        full = dict.fromkeys(self.pipe.full_sequential().state_dict(keep_vars=True))
+        return list(state.merge_backbone(local, full, self.backbone + "."))
+
+    def _check_model_keys(self, saved_keys: list[str]) -> None:
+        """Fail, on every rank alike, when the checkpoint was written for another model (``strict=True``).
+
+        Each stage loads only its own layers' entries, so without this check a checkpoint of another
+        backbone would load without complaint.
+        """
+        expected, saved = self._model_keys(), set(saved_keys)
+        missing = [k for k in expected if k not in saved]
+        unexpected = [k for k in saved_keys if k not in set(expected)]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"The checkpoint does not fit {type(self.lightning_module).__name__}: missing keys {missing}, "
+                f"unexpected keys {unexpected}. Resume with the model (and backbone) the checkpoint was written "
+                "for, or set `strict_loading = False` on the LightningModule to load the matching entries only.")
 
     def _wanted_keys(self):
         """Which entries of a sharded checkpoint this stage reads: its own layers, the rest of the model."""
@@ -177,7 +235,7 @@ class PipelineCheckpoints:
             if keys[0] == "state_dict":
                 return keys[1] in model_keys
             if keys[0] == "optimizer_states":
-                return keys[2] == "groups" or (keys[2] == "state" and keys[3] in param_keys)
+                return keys[2] == "groups" or (keys[2] in ("state", "group_of") and keys[3] in param_keys)
             return False
 
         return wanted
@@ -187,6 +245,9 @@ class PipelineCheckpoints:
         module = self.lightning_module
         assert module is not None
         state_dict = checkpoint["state_dict"]
+        if strict:
+            saved_keys = getattr(self, "_saved_model_keys", None)
+            self._check_model_keys(saved_keys if saved_keys is not None else list(state_dict))
         if self.pipe is not None:  # partitioned: this stage takes its layers' entries only
             state_dict = state.local_state_dict(state_dict, self.pipe, self.backbone + ".")
         module.load_state_dict(state_dict, strict=strict)

@@ -17,15 +17,17 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_gpipe.microbatch import batch_size
 from lightning_gpipe.profiling import capture_input, sample_micro_batch
 
 __all__ = [
-    "backbone_sample", "current_hook", "first_batch", "init_process_group", "launcher", "log_to_loggers",
-    "optimizers_to_device", "preserved_rng", "should_update_logs", "silence_not_resumable_warning",
+    "MainProcessLauncher", "backbone_sample", "current_hook", "first_batch", "init_process_group", "launcher",
+    "log_to_loggers", "optimizers_to_device", "preserved_rng", "should_update_logs", "silence_not_resumable_warning",
 ]
 
 
@@ -54,6 +56,42 @@ def _reporting(function: Callable, on_failure: OnFailure) -> Callable:
     return run
 
 
+class MainProcessLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, but a sharded run leaves no untrained layers in the main process.
+
+    Lightning hands rank 0's ``state_dict`` back to the main process and loads it with ``strict=False``
+    (a private method, overridden here only). After a sharded run rank 0 holds the other stages'
+    layers on ``meta`` (nothing is gathered), and copying from ``meta`` fails. Skipping those entries
+    would leave the main process silently holding the untrained initial weights of the other stages;
+    so those tensors become ``meta`` in the main process too, where any use fails loudly, and a
+    warning says how to get the whole model.
+    """
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: "pl.Trainer") -> None:
+        path = worker_output.weights_path
+        if path is None or getattr(self._strategy, "state_dict_type", "full") != "sharded":
+            return super()._recover_results_in_main_process(worker_output, trainer)
+        weights = self._strategy.checkpoint_io.load_checkpoint(path)
+        module = trainer.lightning_module
+        meta = [k for k, v in weights.items() if isinstance(v, torch.Tensor) and v.is_meta]
+        for key in meta:
+            owner_name, _, name = key.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            if name in owner._parameters:
+                owner._parameters[name] = nn.Parameter(owner._parameters[name].to("meta"),
+                                                       requires_grad=owner._parameters[name].requires_grad)
+            elif name in owner._buffers:
+                owner._buffers[name] = owner._buffers[name].to("meta")
+        module.load_state_dict({k: v for k, v in weights.items() if k not in set(meta)}, strict=False)
+        self._strategy.checkpoint_io.remove_checkpoint(path)
+        if meta:
+            rank_zero_warn(
+                f"state_dict_type='sharded': the model in the main process holds only the first stage's trained "
+                f"layers; {len(meta)} tensors of the other stages are on the meta device. Load the whole model from "
+                "the sharded checkpoint with `lightning_gpipe.checkpoint.consolidate(path)`.", category=UserWarning)
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
+
+
 class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
     on_failure: OnFailure
 
@@ -61,7 +99,7 @@ class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
         return super().launch(_reporting(function, self.on_failure), *args, trainer=trainer, **kwargs)
 
 
-class _ReportingMultiProcessingLauncher(_MultiProcessingLauncher):
+class _ReportingMultiProcessingLauncher(MainProcessLauncher):
     on_failure: OnFailure
 
     def _wrapping_function(self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, *args: Any,

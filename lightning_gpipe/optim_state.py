@@ -40,13 +40,18 @@ def param_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
 
 
 def named_state(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
-    """This rank's optimizer state with parameter names in place of positions."""
+    """This rank's optimizer state with parameter names in place of positions.
+
+    ``group_of`` names every parameter's group, those without state too (plain SGD keeps none; Adam
+    none for a parameter that never had a gradient), so that a resume knows they belong there.
+    """
     state = optimizer.state_dict()
     names = param_names(optimizer, module)
     flat = [n for group in names for n in group]
     return {
         "groups": [_hyper(g) for g in state["param_groups"]],
         "state": {flat[i]: value for i, value in state["state"].items()},
+        "group_of": {name: g for g, group in enumerate(names) for name in group},
     }
 
 
@@ -126,13 +131,20 @@ def localize(saved: Mapping[str, Any], optimizer: Optimizer, module: nn.Module,
 def from_named(named: Mapping[str, Any]) -> dict[str, Any]:
     """A :func:`named_state` (as a sharded checkpoint stores it) in the form :func:`localize` reads.
 
-    A named state does not say which group a name belongs to (its groups must be the same on every
-    stage to be stored once), so every group lists every name; :func:`localize` looks each of its own
-    parameters up by name within its own group, which finds it.
+    Each group lists the names that ``group_of`` puts in it, with or without state. (Without
+    ``group_of``, every group lists every name that has state, and :func:`localize` looks each of its
+    own parameters up within its own group, which finds it.)
     """
-    names = list(named["state"])
-    return {
-        "state": dict(enumerate(named["state"].values())),
-        "param_groups": [{**group, "params": list(range(len(names))), "param_names": names}
-                         for group in named["groups"]],
-    }
+    saved = named.get("state", {})  # a sharded checkpoint drops an empty state
+    group_of = named.get("group_of")
+    members = ([[n for n, g in group_of.items() if g == i] for i in range(len(named["groups"]))]
+               if group_of is not None else [list(saved)] * len(named["groups"]))
+    state: dict[int, Any] = {}
+    groups = []
+    index = 0
+    for group, names in zip(named["groups"], members):
+        ids = list(range(index, index + len(names)))
+        state.update({i: saved[n] for i, n in zip(ids, names) if n in saved})
+        groups.append({**group, "params": ids, "param_names": list(names)})
+        index += len(names)
+    return {"state": state, "param_groups": groups}

@@ -422,17 +422,34 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Put the whole trained backbone back into the LightningModule (on every rank, on the CPU)."""
+        """Put the backbone back into the LightningModule as an ``nn.Sequential``.
+
+        Full mode: the whole trained backbone, on every rank (the other stages' layers on the CPU).
+        Sharded mode is for models that do not fit one host, so nothing is gathered: each rank keeps its
+        own stage's trained layers and the other stages' layers stay on ``meta``, where any use fails
+        loudly instead of running with untrained weights.
+        """
+        sharded: Optional[tuple[nn.Module, str, nn.Sequential]] = None
         if self.pipe is not None and not self._failed:
             module = self.lightning_module
             assert module is not None
             owner, name = self._backbone_owner(module)
-            setattr(owner, name, state.reassemble(self.pipe))
+            if self.state_dict_type == "sharded":  # put in after Lightning's `module.cpu()`, which meta would fail
+                sharded = (owner, name, self.pipe.full_sequential())
+            else:
+                setattr(owner, name, state.reassemble(self.pipe))
             self.pipe.close()
         self.pipe = None
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
             self._board.stop()
         super().teardown()
+        if sharded is not None:
+            owner, name, sequential = sharded
+            setattr(owner, name, sequential)
+            rank_zero_info(
+                f"state_dict_type='sharded': after the run each rank holds only its own stage of `{self.backbone}` "
+                "(the other layers are on the meta device). For the whole model, load the sharded checkpoint "
+                "with `lightning_gpipe.checkpoint.consolidate(path)`.")
 
     @classmethod
     @override

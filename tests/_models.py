@@ -72,6 +72,8 @@ class Net(L.LightningModule):
         self.optimized = [n for n, _ in self.named_parameters()]  # what the optimizer is given on this rank
         if self.optimizer_name == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        elif self.optimizer_name == "sgd-plain":  # keeps no state at all
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         else:
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         if not self.scheduler:

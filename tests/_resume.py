@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from typing import Any
 
 import lightning as L
@@ -20,7 +21,7 @@ RANDOM = {"dropout": 0.3, "head_dropout": 0.2, "scheduler": True}  # dropout in 
 def _trainer(devices: int, strategy: dict, max_steps: int, callbacks=(), **kwargs) -> L.Trainer:
     from lightning_gpipe import GPipeStrategy
 
-    return L.Trainer(strategy=GPipeStrategy(chunks=2, **strategy), devices=devices,
+    return L.Trainer(strategy=GPipeStrategy(**{"chunks": 2, **strategy}), devices=devices,
                      **M.trainer_kwargs(max_steps=max_steps, callbacks=list(callbacks),
                                         enable_checkpointing=bool(callbacks), **kwargs))
 
@@ -31,17 +32,26 @@ def _weights(model: L.LightningModule) -> dict[str, torch.Tensor]:
 
 def run(devices: int, optimizer: str, shuffle: bool = True, strategy: dict | None = None, random: bool = True,
         max_steps: int = STEPS, ckpt_path: str | None = None, save_every: int = 0, directory: str = "",
-        seed: int = 0) -> dict[str, Any]:
-    """Train (or resume) and return the weights; ``save_every`` keeps a checkpoint every that many steps."""
+        seed: int = 0, frozen: bool = False) -> dict[str, Any]:
+    """Train (or resume) and return the weights; ``save_every`` keeps a checkpoint every that many steps.
+
+    ``frozen``: the first layer's weight gets no gradient (so Adam keeps no state for it). ``warned``:
+    the strategy's warnings about random streams.
+    """
     L.seed_everything(seed, verbose=False)
     model = M.Net(optimizer, **(RANDOM if random else {}))
+    if frozen:
+        model.backbone[0].weight.requires_grad_(False)
     callbacks = []
     if save_every:
         callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every,
                                          save_top_k=-1))
     trainer = _trainer(devices, strategy or {}, max_steps, callbacks)
-    trainer.fit(model, M.loader(shuffle=shuffle), ckpt_path=ckpt_path)
-    return {"weights": _weights(model), "losses": list(model.losses)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, M.loader(shuffle=shuffle), ckpt_path=ckpt_path)
+    return {"weights": _weights(model), "losses": list(model.losses),
+            "warned": [str(w.message) for w in caught if "random streams" in str(w.message)]}
 
 
 def save_for_repartition(rank: int, world_size: int, directory: str) -> None:
@@ -66,10 +76,57 @@ def resume_everything(rank: int, world_size: int, directory: str, one_device_ckp
         path = os.path.join(directory, f"{kind}-k3", "step=3.ckpt")
         out[f"from k3 {kind}"] = run(world_size, "adam", seed=1, ckpt_path=path,
                                      strategy={"state_dict_type": kind, "balance": [3, 6]})
+    # another chunks and an explicit other seed: the dropout masks change, which rank 0 says once
+    out["other chunks and seed"] = run(world_size, "adam", seed=1, ckpt_path=os.path.join(directory, "adam-3", "step=3.ckpt"),
+                                       strategy={"chunks": 4, "seed": 5})
+    for optimizer, frozen in (("sgd-plain", False), ("adam", True)):  # parameters without optimizer state
+        where = os.path.join(directory, f"no-state-{optimizer}")
+        out[f"no state {optimizer} straight"] = run(world_size, optimizer, frozen=frozen)
+        run(world_size, optimizer, frozen=frozen, max_steps=3, save_every=3, directory=where,
+            strategy={"state_dict_type": "sharded"})
+        path = os.path.join(where, "step=3.ckpt")
+        out[f"no state {optimizer} resumed"] = run(world_size, optimizer, frozen=frozen, seed=1, ckpt_path=path)
+        if rank == 0:
+            from lightning_gpipe.checkpoint import consolidate
+            saved = consolidate(path)["optimizer_states"][0]  # named; DCP drops an empty state dict
+            out[f"no state {optimizer} saved"] = sorted(saved.get("state", {}))
     out["from one device"] = run(world_size, "adam", shuffle=False, random=False, seed=1, ckpt_path=one_device_ckpt)
     where = os.path.join(directory, "for-one-device")
     run(world_size, "adam", shuffle=False, random=False, max_steps=5, save_every=5, directory=where)
     out["for one device"] = os.path.join(where, "step=5.ckpt")
+    return out
+
+
+def mismatched_resumes(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Resume the 3-stage checkpoints into models whose backbone has one layer more, or one less.
+
+    Every case must fail alike on every rank; the failed runs end the process with exit code 1 (at
+    exit, by design: see ``failure.exit_without_finalizers``), after this function returns.
+    """
+    import torch.nn as nn
+
+    out: dict[str, Any] = {}
+    variants = {"one more layer": lambda b: b.append(nn.Linear(8, 8)),
+                "one layer fewer": lambda b: b.__delitem__(1)}  # every later layer's index shifts
+    for kind in ("full", "sharded"):
+        path = os.path.join(directory, f"{kind}-k3", "step=3.ckpt")
+        for name, change in variants.items():
+            L.seed_everything(0, verbose=False)
+            model = M.Net("adam", **RANDOM)
+            change(model.backbone)
+            try:
+                _trainer(world_size, {}, STEPS).fit(model, M.loader(), ckpt_path=path)
+                out[f"{kind} {name}"] = None
+            except RuntimeError as error:
+                out[f"{kind} {name}"] = str(error)
+        # strict_loading=False loads the entries that match (here: all but the new layer)
+        L.seed_everything(0, verbose=False)
+        model = M.Net("adam", **RANDOM)
+        model.backbone.append(nn.Linear(8, 8))
+        model.strict_loading = False
+        trainer = _trainer(world_size, {}, STEPS, limit_val_batches=1)
+        trainer.validate(model, M.loader(shuffle=False), ckpt_path=path, verbose=False)
+        out[f"{kind} not strict"] = _weights(model)
     return out
 
 

@@ -19,7 +19,7 @@ def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("resume"))
     one = R.one_device("adam", max_steps=5, save_every=5, directory=os.path.join(directory, "one"))
     run_ok(R.save_for_repartition, 3, directory, timeout=300)
-    results = run_ok(R.resume_everything, 2, directory, os.path.join(directory, "one", "step=5.ckpt"), timeout=600)
+    results = run_ok(R.resume_everything, 2, directory, os.path.join(directory, "one", "step=5.ckpt"), timeout=1200)
     return {"pipeline": results, "one device": one, "directory": directory}
 
 
@@ -40,22 +40,80 @@ def test_resume_continues_exactly_as_if_never_stopped(runs, optimizer, stop):
         assert len(resumed["losses"]) == R.STEPS - stop
 
 
-@pytest.mark.parametrize("kind", ["full", "sharded"])
-def test_checkpoint_of_three_stages_resumes_on_two_with_another_balance(runs, kind):
+def test_checkpoint_of_three_stages_resumes_on_two_with_another_balance(runs):
     straight = runs["pipeline"][0]["straight adam"]["weights"]
-    assert_same_weights(runs["pipeline"][0][f"from k3 {kind}"]["weights"], straight, atol=0)
+    assert_same_weights(runs["pipeline"][0]["from k3 full"]["weights"], straight, atol=0)
+
+
+def test_sharded_run_ends_with_each_rank_holding_its_own_trained_stage_and_the_rest_on_meta(runs):
+    # K=2, balance [3, 6], state_dict_type="sharded": nothing is gathered at teardown
+    straight = runs["pipeline"][0]["straight adam"]["weights"]
+    for rank, rank_results in enumerate(runs["pipeline"]):
+        weights = rank_results["from k3 sharded"]["weights"]
+        assert list(weights) == list(straight)
+        own = range(0, 3) if rank == 0 else range(3, 9)
+        for key, value in weights.items():
+            layer = int(key.split(".")[1]) if key.startswith("backbone.") else None
+            if layer is None or layer in own:  # the head, or this stage's layers: trained, exact
+                torch.testing.assert_close(value, straight[key], atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
+            else:
+                assert value.is_meta, (rank, key)
 
 
 def test_sharded_checkpoint_is_a_directory_of_stage_files_that_consolidates_for_one_device(runs, tmp_path):
     path = os.path.join(runs["directory"], "sharded-k3", "step=3.ckpt")
-    assert os.path.isdir(path) and os.path.exists(os.path.join(path, "meta.pt"))
+    assert os.path.isdir(path) and os.path.exists(os.path.join(path, "meta.json"))
+    assert not [f for f in os.listdir(path) if f.endswith(".pt") and f != "meta_tensors.pt"]  # no pickled metadata
     assert len([f for f in os.listdir(path) if f.endswith(".distcp")]) == 3  # one file per stage
     checkpoint = consolidate(path)
     assert list(checkpoint["state_dict"]) == list(M.Net(**R.RANDOM).state_dict())
     torch.save(checkpoint, tmp_path / "full.ckpt")
     model = M.Net.load_from_checkpoint(tmp_path / "full.ckpt", **R.RANDOM)
-    full = torch.load(os.path.join(runs["directory"], "full-k3", "step=3.ckpt"), weights_only=False)
+    full = torch.load(os.path.join(runs["directory"], "full-k3", "step=3.ckpt"), weights_only=True)
     assert_same_weights(model.state_dict(), full["state_dict"], atol=0)
+
+
+def test_resume_with_other_chunks_or_seed_warns_once_on_rank_zero_and_another_k_does_not(runs):
+    first, second = runs["pipeline"]
+    [message] = first["other chunks and seed"]["warned"]
+    assert "chunks=4 (the checkpoint's: 2)" in message and "seed=5 (the checkpoint's: 0)" in message
+    assert "(seed, call, micro-batch, layer)" in message and "GPipeStrategy(chunks=2)" in message
+    assert second["other chunks and seed"]["warned"] == []  # rank 0 only
+    for run in ("from k3 full", "from k3 sharded", "resumed adam at 3", "resumed sgd at 5"):  # another K, balance
+        assert first[run]["warned"] == [], run
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-plain", "adam"])
+def test_sharded_checkpoint_resumes_parameters_that_have_no_optimizer_state(runs, optimizer):
+    # plain SGD keeps no state; Adam keeps none for the frozen first weight (it never gets a gradient)
+    saved = runs["pipeline"][0][f"no state {optimizer} saved"]
+    if optimizer == "sgd-plain":
+        assert saved == []
+    else:
+        assert "backbone.0.weight" not in saved and "backbone.0.bias" in saved
+    for rank_results in runs["pipeline"]:
+        straight = rank_results[f"no state {optimizer} straight"]["weights"]
+        assert_same_weights(rank_results[f"no state {optimizer} resumed"]["weights"], straight, atol=0)
+
+
+def test_a_checkpoint_of_another_backbone_fails_on_every_rank_naming_missing_and_unexpected_keys(runs):
+    outcome = run_processes(R.mismatched_resumes, 2, runs["directory"], timeout=300)
+    assert all(error is None for error in outcome.errors), outcome.tracebacks
+    for rank_results in outcome.results:
+        for kind in ("full", "sharded"):
+            more = rank_results[f"{kind} one more layer"]
+            assert more is not None and "missing keys ['backbone.9.weight', 'backbone.9.bias']" in more, more
+            assert "unexpected keys []" in more
+            fewer = rank_results[f"{kind} one layer fewer"]
+            # layer 1 (a Tanh) removed: the Linear layers 3, 5, 8 become 2, 4, 7
+            assert fewer is not None and "missing keys ['backbone.2.weight', 'backbone.2.bias', 'backbone.4.weight', " \
+                "'backbone.4.bias', 'backbone.7.weight', 'backbone.7.bias']" in fewer, fewer
+            assert "unexpected keys ['backbone.3.weight', 'backbone.3.bias', 'backbone.5.weight'" in fewer, fewer
+            loose = rank_results[f"{kind} not strict"]
+            full = torch.load(os.path.join(runs["directory"], "full-k3", "step=3.ckpt"), weights_only=True)
+            for key, value in full["state_dict"].items():  # every saved entry loaded; the new layer kept its init
+                torch.testing.assert_close(loose[key], value, atol=0, rtol=0)
+            assert "backbone.9.weight" in loose
 
 
 def test_one_device_checkpoint_starts_a_pipeline_run(runs):
@@ -96,3 +154,65 @@ def test_a_crash_while_saving_leaves_the_last_good_checkpoint(tmp_path):
     assert checkpoint["global_step"] == 2
     leftovers = [f for f in os.listdir(tmp_path) if f != "last.ckpt"]
     assert all(".tmp-" in f for f in leftovers), leftovers  # the half-written file kept its temporary name
+
+
+# -- durable files (in one process) ----------------------------------------------------------------------
+
+
+def test_a_write_that_raises_removes_its_temporary_file_and_keeps_the_previous_checkpoint(tmp_path):
+    from lightning_gpipe.checkpoint import atomic_write
+
+    path = str(tmp_path / "last.ckpt")
+    atomic_write(lambda tmp: torch.save({"step": 1}, tmp), path)
+
+    def failing(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(failing, path)
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert torch.load(path)["step"] == 1
+
+
+def test_a_failed_sharded_write_removes_its_temporary_directory_and_keeps_the_previous_one(tmp_path):
+    from lightning_gpipe.checkpoint import MetadataError, load_sharded, save_sharded
+
+    path = str(tmp_path / "step=1.ckpt")
+    save_sharded({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, path, writer=True)
+    with pytest.raises(MetadataError, match=r"checkpoint\['hyper_parameters'\]\['fn'\]"):
+        save_sharded({"state_dict": {"w": torch.zeros(2)}, "hyper_parameters": {"fn": print}}, path, writer=True)
+    with pytest.raises(RuntimeError, match="write failed"):
+        def broken(*args, **kwargs):
+            raise RuntimeError("write failed")
+        import lightning_gpipe.checkpoint as C
+        original, C.save_metadata = C.save_metadata, broken
+        try:
+            save_sharded({"state_dict": {"w": torch.zeros(2)}, "epoch": 1}, path, writer=True)
+        finally:
+            C.save_metadata = original
+    assert os.listdir(tmp_path) == ["step=1.ckpt"]
+    assert torch.equal(load_sharded(path, lambda keys: True)["state_dict"]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "directory"])
+def test_a_successful_write_fsyncs_the_files_then_the_folder_after_the_rename(tmp_path, monkeypatch, sharded):
+    from lightning_gpipe import checkpoint as C
+
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: renamed.append(len(synced)) or real_replace(a, b))
+    path = str(tmp_path / "last.ckpt")
+    if sharded:
+        C.save_sharded({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, path, writer=True)
+    else:
+        C.atomic_write(lambda tmp: torch.save({"step": 1}, tmp), path)
+    before, after = synced[:renamed[-1]], synced[renamed[-1]:]
+    assert after == [str(tmp_path)]  # the folder, after the rename
+    files = [p for p in before if os.path.basename(p) not in ("", ) and ".tmp" in p]
+    if sharded:
+        assert {os.path.basename(p) for p in files} >= {"meta.json", "meta_tensors.pt", ".metadata", "__0_0.distcp"}
+    else:
+        assert len(files) == 1 and ".tmp-" in files[0]

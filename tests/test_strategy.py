@@ -72,6 +72,25 @@ def test_spawn_launcher_gives_the_main_process_the_whole_trained_model(reference
     assert isinstance(model.backbone, nn.Sequential)
 
 
+def test_spawn_launcher_after_a_sharded_run_leaves_the_other_stages_on_meta_in_the_main_process(reference_run):
+    # nothing is gathered in sharded mode: the main process gets stage 0's trained layers and the head,
+    # and the other stage's tensors become meta (never silently the untrained initial weights)
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    strategy = GPipeStrategy(chunks=2, start_method="spawn", state_dict_type="sharded", balance=[3, 4])
+    trainer = L.Trainer(strategy=strategy, devices=2, **M.trainer_kwargs())
+    with pytest.warns(UserWarning, match=r"lightning_gpipe\.checkpoint\.consolidate"):
+        trainer.fit(model, M.loader())
+    reference = reference_run(_sweeps.Config("spawn"))
+    for key, value in model.state_dict().items():
+        if key.startswith("backbone.") and int(key.split(".")[1]) >= 3:
+            assert value.is_meta, key
+        else:
+            torch.testing.assert_close(value, reference["weights"][key], atol=1e-6, rtol=0)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        model(torch.zeros(2, M.FEATURES))
+
+
 def test_model_summary_counts_every_stage_not_only_the_first(pipeline_runs):
     model = M.Net()
     total = sum(p.numel() for p in model.parameters())

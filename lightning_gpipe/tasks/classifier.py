@@ -135,7 +135,7 @@ def load_backbone_weights(backbone: nn.Sequential, path: str, skip_last: int = 0
     Every other layer's tensors must be there with the same shapes; a mismatch is an error that names
     the keys, not a silent partial load.
     """
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle code from a file
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds no state_dict; give a checkpoint of this package or a saved state_dict.")
