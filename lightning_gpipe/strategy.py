@@ -82,7 +82,9 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         watchdog_grace: seconds a rank may stay blocked (in a collective of Lightning's) after another
             rank failed, before the watchdog ends its process.
         failure_timeout: seconds without a heartbeat after which a rank counts as dead (a killed rank
-            is usually noticed at once, through its closed connections; this is the fallback).
+            is usually noticed at once, through its closed connections; this is the fallback); also how
+            long a message from the previous stage may wait untaken while this rank has no backbone call
+            under way before the stages count as out of step (a call made on one rank only).
         state_dict_type: ``"full"`` (default): one checkpoint file gathered on the first stage,
             loadable on one device without this package; ``"sharded"``: a directory written by every
             stage with ``torch.distributed.checkpoint``, for models too big to gather on one host.

@@ -6,7 +6,6 @@ import os
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 
 import _models as M

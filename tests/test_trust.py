@@ -35,9 +35,9 @@ def _assert_all_ended_with_errors(outcome):
     assert all(outcome.errors), outcome.errors
 
 
-@pytest.mark.parametrize("hook, samples", [("on_train_batch_end", 8), ("on_train_batch_end", 2),
-                                           ("on_train_epoch_end", 8)],
-                         ids=["batch of the training size", "smaller batch", "other rank in ModelCheckpoint's save"])
+@pytest.mark.parametrize("hook, samples", [("on_train_batch_end", 8), ("on_train_epoch_end", 2)],
+                         ids=["batch of the training size, other rank in Lightning's per-batch broadcast",
+                              "smaller batch, other rank in ModelCheckpoint's save"])
 def test_a_rank_zero_only_callback_that_calls_the_model_fails_every_rank_at_once(session_tmp, hook, samples):
     outcome = run_processes(W.rank_zero_callback, 2, hook, samples, timeout=120)
     _assert_all_ended_with_errors(outcome)
