@@ -84,3 +84,12 @@ def test_monitor_overhead_benchmark_measures_with_and_without_the_monitor(tmp_pa
                      "--batch-size", "8", "--chunks", "2", "--trace-dir", str(tmp_path))
     assert [r["log_every_n_steps"] for r in result["results"]] == [50, 1]
     assert all(r["self_cpu_fraction"] > 0 for r in result["results"])
+
+
+def test_messages_benchmark_times_the_engine_and_a_plain_send_recv_loop_per_size(tmp_path):
+    output, result = _run(tmp_path, "messages", "--sizes", "256", "4096", "--iterations", "5")
+    assert [r["bytes"] for r in result["rows"]] == [256, 4096]
+    for row in result["rows"]:
+        assert row["plain_s"] > 0 and row["engine_s"] > 0
+        assert math.isclose(row["overhead_s"], row["engine_s"] - row["plain_s"])
+    assert "plain send/recv us" in output
