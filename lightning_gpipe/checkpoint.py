@@ -5,7 +5,8 @@
   Needs the whole model in the first stage's host memory while saving.
 * ``sharded``: every stage writes its own tensors with ``torch.distributed.checkpoint`` (DCP) into a
   directory, keyed by the original parameter names, plus the rest of Lightning's state as JSON
-  and a weights-only tensor file (:mod:`lightning_gpipe.metadata`: nothing in it is unpickled). Nothing is gathered, so it suits models too big for one host; any K resumes it, because
+  and a weights-only tensor file (:mod:`lightning_gpipe.metadata`: nothing in it is unpickled).
+  Nothing is gathered, so it suits models too big for one host; any K resumes it, because
   each stage reads back the names it holds. All ranks must see the same filesystem.
   :func:`consolidate` turns it into a full file offline.
 
@@ -195,7 +196,7 @@ def load_sharded(path: str, wanted: Callable[[tuple], bool], collective: Optiona
         else:
             target[tuple(keys)] = None  # a pickled value, filled in by the load
     nested = _nested(target)
-    dcp.load(nested, checkpoint_id=path, planner=_WeightsOnlyPlanner(), 
+    dcp.load(nested, checkpoint_id=path, planner=_WeightsOnlyPlanner(),
              no_dist=not (dist.is_initialized() if collective is None else collective))
     checkpoint = load_metadata(path)
     checkpoint["state_dict"] = nested.get("state_dict", {})

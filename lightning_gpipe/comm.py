@@ -198,7 +198,8 @@ class Inbox:
                     value = torch.empty(shape, dtype=dtype, device=self.device)
                     dist.recv(value, self.src, group=self.group)
                     values.append(value)
-                self._queue.put((time.monotonic(), Message(tuple(values), tuple(f for _, f, _ in specs), is_tuple, tag)))
+                message = Message(tuple(values), tuple(f for _, f, _ in specs), is_tuple, tag)
+                self._queue.put((time.monotonic(), message))
         except BaseException as error:  # a dead peer closes the connection: hand the error to the main thread
             self._queue.put((time.monotonic(), error))
 

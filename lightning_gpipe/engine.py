@@ -269,7 +269,8 @@ class StageRunner:
                 dx = tuple((t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None
                            for t in leaves)
             if not self.is_first and run.in_grad[i]:
-                self._send(self.ranks[self.stage - 1], dx, [False] * len(dx), True, Tag("gradient", run.call, i, run.label))
+                tag = Tag("gradient", run.call, i, run.label)
+                self._send(self.ranks[self.stage - 1], dx, [False] * len(dx), True, tag)
             input_grads[i] = dx
             run.inputs[i] = run.outputs[i] = None
         return self._input_grads(run, input_grads)

@@ -13,7 +13,7 @@ from lightning_gpipe.rng import mix64
 
 __all__ = [
     "Outputs", "tensors", "map_tensors", "batch_size", "split_sizes", "split", "scatter", "gather", "as_tuple",
-    "from_tuple", "fingerprint",
+    "from_tuple", "fingerprint", "as_bits",
 ]
 
 #: What a stage may return: one tensor, or a tuple of tensors.
@@ -140,15 +140,19 @@ _MASK64 = (1 << 64) - 1
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _checksums(t: Tensor) -> list[int]:
-    """Two sums of the tensor's bits: plain, and weighted by position, so that reordered values change it."""
+def as_bits(t: Tensor) -> Tensor:
+    """``t``'s values as integers of the same width, flat: exact digests sum these (integer sums do not
+    depend on the order of summation, so every rank gets the same number for the same bits)."""
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
-    if t.dtype != torch.int64 or t.dim() == 0:
-        t = t.reshape(-1)
-        t = (t.view(_INT_OF_SIZE[t.element_size()]) if t.numel() else t).to(torch.int64)
-    flat = t.reshape(-1)
+    t = t.reshape(-1)
+    return t.view(_INT_OF_SIZE[t.element_size()]) if t.numel() else t.to(torch.int64)
+
+
+def _checksums(t: Tensor) -> list[int]:
+    """Two sums of the tensor's bits: plain, and weighted by position, so that reordered values change it."""
+    flat = as_bits(t).to(torch.int64)
     positions = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
     return torch.stack([flat.sum(), (flat * positions).sum()]).tolist()  # sums wrap around: fine for a digest
 
