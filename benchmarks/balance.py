@@ -33,8 +33,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_gpipe import GPipeStrategy  # noqa: E402
-from lightning_gpipe.partition import stage_costs  # noqa: E402
-from lightning_gpipe.timer import COMPUTE  # noqa: E402
+from lightning_gpipe.engine.partition import stage_costs  # noqa: E402
+from lightning_gpipe.monitor.timer import COMPUTE  # noqa: E402
 
 WARMUP_STEPS = 3
 
@@ -74,7 +74,7 @@ class StageClock(L.Callback):
         self._measuring = False
         self._start = 0.0
 
-    # the engine's tracer protocol (lightning_gpipe.timer.Tracer): a stamp at the start of a pass, the sum at its end
+    # the engine's tracer protocol (lightning_gpipe.monitor.timer.Tracer): a stamp at the start of a pass, the sum at its end
     def start(self, kind: str) -> float:
         return time.perf_counter()
 

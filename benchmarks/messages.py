@@ -33,10 +33,11 @@ def _round_trips(send, recv, iterations: int, warmup: int = 20) -> list[float]:
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
-    from lightning_gpipe.comm import Channels, Tag
-    from lightning_gpipe.failure import FailureBoard
-    from lightning_gpipe.lockstep import check_message
-    from lightning_gpipe.topology import PipeLayout
+    from lightning_gpipe.engine.channels import Channels
+    from lightning_gpipe.engine.messages import Tag
+    from lightning_gpipe.engine.failure import FailureBoard
+    from lightning_gpipe.engine.lockstep import check_message
+    from lightning_gpipe.engine.topology import PipeLayout
 
     device = torch.device("cpu")
     C.init_group(device)

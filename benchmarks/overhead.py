@@ -38,9 +38,9 @@ def _median_seconds(fn, repeats: int = 50) -> float:
 
 def check_seconds(workload: C.Workload, batch_size: int, chunks: int, device: torch.device) -> dict[str, float]:
     """What the lock-step checks and the batch fingerprint cost per step on one rank, in seconds."""
-    from lightning_gpipe.comm import Message, Tag, decode, encode
-    from lightning_gpipe.lockstep import check_message
-    from lightning_gpipe.microbatch import fingerprint
+    from lightning_gpipe.engine.messages import Message, Tag, decode, encode
+    from lightning_gpipe.engine.lockstep import check_message
+    from lightning_gpipe.engine.microbatch import fingerprint
 
     x, y = workload.batch(batch_size, device)
     micro = x[:max(1, batch_size // chunks)]

@@ -1,17 +1,13 @@
 """GPipe pipeline parallelism for PyTorch Lightning: ``Trainer(strategy="gpipe", devices=K)``.
 
-The engine (``GPipe`` and everything under it) is plain PyTorch and works without Lightning; the
-strategy is the Lightning glue, and importing this package registers it as ``"gpipe"``.
+The engine (``GPipe`` and everything under :mod:`lightning_gpipe.engine`) is plain PyTorch and works
+without Lightning; the strategy is the Lightning glue, and importing this package registers it as
+``"gpipe"``. The layers: ``docs/architecture.md``.
 """
 
-from lightning_gpipe.batchnorm import DeferredBatchNorm
-from lightning_gpipe.engine import is_recomputing
-from lightning_gpipe.failure import PipelineError
-from lightning_gpipe.partition import balance
-from lightning_gpipe.pipe import GPipe
-from lightning_gpipe.profiling import LayerCosts, profile_layers
-from lightning_gpipe.timer import StageTimer
-from lightning_gpipe.topology import PipeLayout
+from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers
+from lightning_gpipe.engine import DeferredBatchNorm, GPipe, PipeLayout, PipelineError, balance, is_recomputing
+from lightning_gpipe.monitor.timer import StageTimer
 
 __all__ = [
     "DeferredBatchNorm", "GPipe", "GPipeStrategy", "LayerCosts", "PipeLayout", "PipelineError", "PipelineMonitor",
@@ -25,7 +21,7 @@ try:
 except ImportError:  # plain PyTorch use of the engine
     pass
 else:
-    from lightning_gpipe.callbacks import PipelineMonitor
+    from lightning_gpipe.monitor.callback import PipelineMonitor
     from lightning_gpipe.strategy import GPipeStrategy
 
     # Lightning has no entry point for strategies: importing this package is what makes "gpipe" known.

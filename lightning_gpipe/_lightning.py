@@ -1,32 +1,37 @@
-"""Lightning-side helpers: the few private Lightning accesses, in one place, so that an upgrade breaks here only."""
+"""Every access to Lightning's private API, in one place, so that a Lightning upgrade breaks here only.
+
+Each helper says which private name it uses and why no public one serves. The strategy, the
+monitor and the checkpoints use Lightning's public API everywhere else.
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_gpipe.microbatch import batch_size
-from lightning_gpipe.profiling import capture_input, sample_micro_batch
+from lightning_gpipe._subclass import copy_as
+from lightning_gpipe.engine.pipe import GPipe
 
 __all__ = [
-    "MainProcessLauncher", "backbone_sample", "current_hook", "first_batch", "init_process_group", "launcher",
-    "log_to_loggers", "optimizers_to_device", "preserved_rng", "should_update_logs", "silence_not_resumable_warning",
+    "MainProcessLauncher", "PipelineSummary", "current_hook", "first_batch", "init_process_group", "launcher",
+    "log_to_loggers", "optimizers_to_device", "should_update_logs", "silence_not_resumable_warning",
+    "use_pipeline_summaries",
 ]
 
 
@@ -87,7 +92,7 @@ class MainProcessLauncher(_MultiProcessingLauncher):
             rank_zero_warn(
                 f"state_dict_type='sharded': the model in the main process holds only the first stage's trained "
                 f"layers; {len(meta)} tensors of the other stages are on the meta device. Load the whole model from "
-                "the sharded checkpoint with `lightning_gpipe.checkpoint.consolidate(path)`.", category=UserWarning)
+                "the sharded checkpoint with `lightning_gpipe.checkpointing.files.consolidate(path)`.", category=UserWarning)
         super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
 
 
@@ -168,20 +173,6 @@ def log_to_loggers(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
     cost more than the measurement; the loggers themselves write on rank 0 only.
     """
     trainer._logger_connector.log_metrics(metrics)  # type: ignore[arg-type]
-@contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Put the torch CPU, numpy and Python random states back as they were after the block.
-
-    Not CUDA's: collecting it would create a context on every GPU of the node; the profiler keeps
-    its own device's generator isolated itself.
-    """
-    states = _collect_rng_states(include_cuda=False)
-    try:
-        yield
-    finally:
-        _set_rng_states(states)
-
-
 def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
     """The first batch of the running stage's dataloader, the step that takes it, and the loader's name.
 
@@ -214,47 +205,69 @@ def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
     return batch, step, f"{name} dataloader"
 
 
-def backbone_sample(module: "pl.LightningModule", backbone: nn.Module, name: str, chunks: int) -> tuple[Any, str]:
-    """One micro-batch of what ``module`` feeds its ``backbone`` (the attribute ``name``), and where it came from.
+def _counts(pipe: GPipe) -> tuple[int, int]:
+    """Parameters and trainable parameters of the whole backbone; collective over the pipeline."""
+    elsewhere = {id(p) for p in pipe.ties.counted_elsewhere()}  # a tied parameter counts once
+    params = [p for p in pipe.parameters() if id(p) not in elsewhere]
+    counts = torch.tensor([sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)])
+    if pipe.group is not None:
+        dist.all_reduce(counts, group=pipe.group)
+    return int(counts[0]), int(counts[1])
 
-    First choice: the first batch of the running stage's dataloader, run through the batch-transfer
-    hooks and the stage's step (``training_step`` when fitting) until the step calls the backbone.
-    Second: ``example_input_array``, run through ``forward``. Nothing after the backbone's input
-    runs; see :func:`lightning_gpipe.profiling.capture_input`. Raises ``ValueError`` if neither works.
+
+class PipelineSummary(Summary):
+    """A model summary whose totals and backbone row cover every stage: each rank holds only its own stage."""
+
+    def __init__(self, model: Any, max_depth: int, backbone: str, pipe: GPipe) -> None:
+        self._backbone = backbone
+        local = list(pipe.parameters())
+        full_total, full_trainable = _counts(pipe)
+        self._extra_total = full_total - sum(p.numel() for p in local)
+        self._extra_trainable = full_trainable - sum(p.numel() for p in local if p.requires_grad)
+        self._backbone_total = full_total
+        super().__init__(model, max_depth)
+
+    @property
+    def param_nums(self) -> list[int]:
+        nums = super().param_nums
+        return [self._backbone_total if name == self._backbone else n for name, n in zip(self.layer_names, nums)]
+
+    @property
+    def total_parameters(self) -> int:
+        return super().total_parameters + self._extra_total
+
+    @property
+    def trainable_parameters(self) -> int:
+        return super().trainable_parameters + self._extra_trainable
+
+    @property
+    def total_layer_params(self) -> int:  # keeps the "other params" row for what lies outside all layers only
+        return super().total_layer_params + self._extra_total
+
+
+class _Pipeline:
+    """Mixed into a ``ModelSummary`` callback: its summary counts every stage while a pipeline runs.
+
+    ``ModelSummary._summary`` (private) is the one method that builds the summary; Lightning offers no
+    public way to change what its callback counts.
     """
-    tried = []
-    found = first_batch(module.trainer)
-    if found is None:
-        tried.append("the running stage has no dataloader, or it is empty")
-    else:
-        batch, step, loader = found
-        batch = module.on_after_batch_transfer(module.on_before_batch_transfer(batch, 0), 0)
-        try:
-            x = capture_input(backbone, lambda: getattr(module, step)(batch, 0), owner=module)
-            return _described(sample_micro_batch(x, chunks), f"the first batch of the {loader}")
-        except Exception as error:
-            tried.append(f"`{step}` on the first batch of the {loader} did not call `self.{name}` "
-                         f"({type(error).__name__}: {error})")
-    example = module.example_input_array
-    if example is None:
-        tried.append(f"`{type(module).__name__}.example_input_array` is not set")
-    else:
-        def forward() -> Any:  # the way Lightning's ModelSummary feeds it
-            if isinstance(example, (list, tuple)):
-                return module(*example)
-            return module(**example) if isinstance(example, dict) else module(example)
 
-        try:
-            x = capture_input(backbone, forward, owner=module)
-            return _described(sample_micro_batch(x, chunks), "`example_input_array`")
-        except Exception as error:
-            tried.append(f"`forward(example_input_array)` did not call `self.{name}` ({type(error).__name__}: {error})")
-    raise ValueError(
-        "Profiling the backbone (balance='time' or 'memory') needs a sample micro-batch, but none could be taken: "
-        + "; ".join(tried) + ". Set `self.example_input_array` to an input of `forward` that calls the backbone, "
-        "or use balance='params' or an explicit list."
-    )
+    _max_depth: int
+
+    def _summary(self, trainer: Any, pl_module: Any) -> Summary:
+        strategy = trainer.strategy
+        pipe = getattr(strategy, "pipe", None)
+        if pipe is None:
+            return super()._summary(trainer, pl_module)  # type: ignore[misc]  # ModelSummary comes next in the MRO
+        return PipelineSummary(pl_module, self._max_depth, strategy.backbone, pipe)
 
 
-def _described(sample: Any, origin: str) -> tuple[Any, str]:
-    return sample, f"a micro-batch of {batch_size(sample)} samples from {origin}"
+def use_pipeline_summaries(trainer: "pl.Trainer") -> None:
+    """Make the trainer's model-summary callbacks count the whole pipeline.
+
+    Lightning adds its ``ModelSummary`` callback itself, so each one in ``trainer.callbacks`` is replaced
+    by a copy of it (same settings) that derives from :class:`_Pipeline` too (see :mod:`lightning_gpipe._subclass`).
+    """
+    for i, callback in enumerate(trainer.callbacks):
+        if isinstance(callback, ModelSummary):
+            trainer.callbacks[i] = copy_as(callback, _Pipeline)

@@ -1,13 +1,18 @@
-"""``GPipeStrategy``: Lightning glue that runs a LightningModule's Sequential backbone as a pipeline."""
+"""``GPipeStrategy``: the Lightning glue that runs a LightningModule's Sequential backbone as a pipeline.
+
+One class, like Lightning's own ``ddp.py`` and ``fsdp.py``: it overrides documented strategy hooks and
+hands the work to the plain modules (the engine, checkpointing, balancing). Every private Lightning
+access it needs is in :mod:`lightning_gpipe._lightning`. The sections below follow a run: processes,
+the model, the step, collectives, data, checkpoints, failure and teardown.
+"""
 
 from __future__ import annotations
 
 import itertools
-import types
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -20,37 +25,49 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_gpipe import clipping, microbatch, optim_state, state
-from lightning_gpipe._checkpoints import PipelineCheckpoints
-from lightning_gpipe._collectives import ReplicaCollectives
 from lightning_gpipe._lightning import (
-    backbone_sample,
     current_hook,
+    first_batch,
     init_process_group,
     launcher,
     optimizers_to_device,
-    preserved_rng,
+    silence_not_resumable_warning,
+    use_pipeline_summaries,
 )
-from lightning_gpipe.batchnorm import DeferredBatchNorm
-from lightning_gpipe.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
-from lightning_gpipe.partition import balance as optimal_balance
-from lightning_gpipe.partition import balance_by_params, parameter_costs, split_table, validate_balance
-from lightning_gpipe.pipe import GPipe, make_mesh
-from lightning_gpipe.profiling import COST_KINDS, LayerCosts, profile_layers
-from lightning_gpipe.replicas import broadcast_from_first_replica
-from lightning_gpipe.schedule import CHECKPOINT_MODES
-from lightning_gpipe.summary import use_pipeline_summaries
-from lightning_gpipe.tied import refuse_ties_outside
-from lightning_gpipe.topology import PipeLayout
+from lightning_gpipe._subclass import copy_as
+from lightning_gpipe.balancing.profiling import COST_KINDS, LayerCosts, profile_layers
+from lightning_gpipe.balancing.sample import backbone_sample
+from lightning_gpipe.checkpointing import model_state, optim_state
+from lightning_gpipe.checkpointing.files import (
+    atomic_write,
+    is_sharded,
+    load_sharded,
+    save_sharded,
+    sharded_model_keys,
+    stage_selector,
+)
+from lightning_gpipe.checkpointing.resumable import resumable
+from lightning_gpipe.engine import distributed, microbatch, tied
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
+from lightning_gpipe.engine.checkpoint import check_checkpoint_mode
+from lightning_gpipe.engine.clipping import clip_grad_norm_
+from lightning_gpipe.engine.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
+from lightning_gpipe.engine.partition import balance as optimal_balance
+from lightning_gpipe.engine.partition import balance_by_params, parameter_costs, split_table, validate_balance
+from lightning_gpipe.engine.pipe import GPipe
+from lightning_gpipe.engine.replicas import broadcast_from_first_replica
+from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
+from lightning_gpipe.engine.tied import refuse_ties_outside
+from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 
 __all__ = ["GPipeStrategy"]
 
 _runs = itertools.count()  # names each run's failure board; every rank counts its runs the same way
 
 
-class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
+class GPipeStrategy(ParallelStrategy):
     """Train the ``nn.Sequential`` at ``module.<backbone>`` as a GPipe pipeline, one stage per process.
 
     ``Trainer(strategy="gpipe", devices=K)`` splits the backbone into ``K`` stages, puts one on each
@@ -123,10 +140,8 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         if isinstance(balance, str) and balance not in COST_KINDS:
             raise ValueError(f"`balance` must be a list of layers per stage or 'params', 'time' or 'memory', "
                              f"got {balance!r}.")
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"`chunks` must be a positive integer (micro-batches per batch), got {chunks!r}.")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"`checkpoint` must be one of {CHECKPOINT_MODES}, got {checkpoint!r}.")
+        microbatch.check_chunks(chunks)
+        check_checkpoint_mode(checkpoint)
         if not isinstance(backbone, str) or not backbone:
             raise ValueError(f"`backbone` must name the attribute that holds the nn.Sequential, got {backbone!r}.")
         if pipe_size is not None and (not isinstance(pipe_size, int) or pipe_size < 1):
@@ -152,6 +167,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
         self._batch_idx = -1
         self._replicated: list[nn.Parameter] = []  # parameters outside the backbone, held by every rank
+        self._saved_model_keys: Optional[list[str]] = None  # a sharded checkpoint's model keys (each stage reads its own)
 
     # -- processes and ranks ---------------------------------------------------------------------------
 
@@ -207,7 +223,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         assert self.cluster_environment is not None
         _ = self.layout  # validates pipe_size against the world size before any work
         if self.world_size > 1:  # pipeline-1 needs no process group
-            backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+            backend = self._process_group_backend or distributed.default_backend(self.root_device)
             init_process_group(self.cluster_environment, backend, self.root_device, self._process_group_timeout)
             destroy_process_groups_at_exit()
         if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
@@ -290,8 +306,11 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         outcome: Any = None
         if self.global_rank == 0:
             try:
-                with preserved_rng():
-                    sample, where = backbone_sample(self.lightning_module, sequential, self.backbone, self.chunks)
+                module = self.lightning_module
+                assert module is not None
+                with isolated_rng(self.root_device, everything=True):
+                    sample, where = backbone_sample(module, sequential, self.backbone, self.chunks,
+                                                    first_batch(module.trainer))
                     outcome = profile_layers(sequential, sample, self.root_device,
                                              context=self.precision_plugin.forward_context)
                 rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
@@ -310,6 +329,9 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         assert self.accelerator is not None
         _refuse_fp16_scaler(self.precision_plugin)
         self.accelerator.setup(trainer)
+        plugin = copy_as(self.precision_plugin, _GlobalNormClipping)
+        plugin.pipeline = lambda: self.pipe
+        self.precision_plugin = plugin  # type: ignore[assignment]  # still the user's plugin class, subclassed
         self.pipe = self._build_pipe()
         module = self.lightning_module
         self.pipe.call_label = lambda: current_hook(module)  # type: ignore[arg-type]
@@ -333,8 +355,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
             self._layouts = [self._optimizer_layout(o) for o in self.optimizers]
-        _use_global_norm_clipping(self.precision_plugin, self)
-        use_pipeline_summaries(trainer.callbacks)
+        use_pipeline_summaries(trainer)
 
     @override
     def model_to_device(self) -> None:
@@ -360,9 +381,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
             for tensor in [*module.parameters(), *module.buffers()]:
                 if id(tensor) not in backbone:
                     dist.broadcast(tensor.data, src=pipe.ranks[0], group=pipe.group)
-        torch.set_rng_state(pipe.broadcast(torch.get_rng_state()))
-        if self.root_device.type == "cuda":
-            torch.cuda.set_rng_state(pipe.broadcast(torch.cuda.get_rng_state(self.root_device)), self.root_device)
+        set_rng_state(pipe.broadcast(get_rng_state(self.root_device)), self.root_device)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -387,15 +406,258 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient averaging while Lightning accumulates gradients over several batches."""
-        sync = self.pipe.runner.grad_sync if self.pipe is not None else None
-        if sync is None:
+        if self.pipe is None:
             yield None
             return
-        sync.enabled = False
-        try:
+        with self.pipe.no_sync():
             yield None
-        finally:
-            sync.enabled = True
+
+    # -- collectives: over a stage's data-parallel replicas by default, decisions over every rank -----
+
+    def _active(self) -> bool:
+        """Whether collectives run: distributed, and this rank has not failed."""
+        return distributed.is_distributed() and not self.failed
+
+    def _watch(self, doing: str, whole_pipeline: bool = True) -> distributed.Watch:
+        """What a collective polls: the pipeline's watch for collectives that every stage joins, else the board."""
+        if whole_pipeline and self.pipe is not None:
+            return self.pipe.watch(doing)
+        board = self._board
+        return board.raise_if_failed if board is not None else (lambda: None)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self._active():
+            distributed.barrier(watch=self._watch(f"Lightning's barrier {name!r}" if name else "a barrier"))
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._active():
+            return obj
+        return distributed.broadcast_object(obj, src, watch=self._watch("a broadcast"), device=self.root_device)
+
+    @property
+    def replica_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's stage in every pipeline (DeviceMesh dim ``dp``): the group to reduce metrics over.
+
+        ``None`` with one pipeline. Pass it to torchmetrics as ``process_group`` so that metric states
+        are not counted once per stage.
+        """
+        if self._mesh is None or self.layout.num_replicas == 1:
+            return None
+        return self._mesh.get_group("dp")
+
+    def _replicas_only(self, group: Optional[Any]) -> bool:
+        # the default group of reduce and all_gather is the replicas of this stage: the stages of one
+        # pipeline hold the same values, and counting them once per stage would be wrong for a sum
+        return group is None and self.replica_group is None
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        """Reduce over the data-parallel replicas (by default): every stage gets the same result."""
+        if not isinstance(tensor, Tensor) or not self._active():
+            return tensor
+        if self._replicas_only(group):
+            return tensor.clone()
+        group = group if group is not None else self.replica_group
+        torch_op, mean = distributed.reduce_op(reduce_op)
+        tensor = tensor.float() if mean and not tensor.is_floating_point() else tensor.clone()
+        distributed.all_reduce(tensor, torch_op, group, self._watch("a reduce", whole_pipeline=False))
+        if mean:
+            tensor = tensor / dist.get_world_size(group)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather from the data-parallel replicas (by default), stacked in replica order."""
+        if self._replicas_only(group) or not self._active():
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group=group if group is not None else self.replica_group,
+                                  sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Decided over every rank (stopping, say): the stages of a pipeline must go on or stop together."""
+        if not self._active():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        distributed.all_reduce(votes, watch=self._watch("a decision of every rank (stop or go on)"))
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    # -- data ------------------------------------------------------------------------------------------
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training loader resumable mid-epoch (see :mod:`lightning_gpipe.checkpointing.resumable`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, torch.utils.data.DataLoader):
+            return dataloader
+        loader = resumable(dataloader, consumed=lambda: self._batch_idx + 1, device=self.root_device)
+        if self._loader_position is not None and hasattr(loader, "restore"):
+            loader.restore(self._loader_position)
+            self._loader_position = None
+        self._loaders = [loader]
+        return loader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_idx = batch_idx
+        for loader in self._loaders:  # resumed mid-epoch: go on as if never stopped
+            if hasattr(loader, "restore_random_state"):
+                loader.restore_random_state()
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # restore into the partitioned model: each stage loads only the entries of its own layers
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state_dict under its original keys, on the first stage; collective.
+
+        With ``state_dict_type="sharded"`` every stage keeps its own part; the checkpoint writer stores it.
+        """
+        module = self.lightning_module
+        assert module is not None
+        local = module.state_dict()
+        if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded" or self.failed:
+            return local  # after a failure nothing is gathered: save_checkpoint writes nothing then
+        full_backbone = model_state.gather_state_dict(self.pipe)
+        return local if full_backbone is None else model_state.merge_backbone(local, full_backbone, self.backbone + ".")
+
+    def _optimizer_layout(self, optimizer: Any) -> optim_state.Layout:
+        names = optim_state.param_names(_unwrap(optimizer), self.lightning_module)
+        everyone = self.pipe.gather(names, to_all=True) if self.pipe is not None else [names]
+        return optim_state.layout(everyone, self._full_names)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state for the whole model, numbered as on one device, on the first stage; collective."""
+        optimizer = _unwrap(optimizer)
+        if self.pipe is None or self.lightning_module is None or self.failed:
+            return optimizer.state_dict()
+        named = optim_state.named_state(optimizer, self.lightning_module)
+        if self.state_dict_type == "sharded":
+            return named
+        parts = self.pipe.gather(named, to_all=False)
+        if parts is None:
+            return {}
+        return optim_state.merge(parts, self._layouts[self.optimizers.index(optimizer)])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each stage takes its parameters' state, by name, from a checkpoint of any split or of one device."""
+        module = self.lightning_module
+        for optimizer, saved, layout in zip(self.optimizers, checkpoint["optimizer_states"], self._layouts):
+            optimizer = _unwrap(optimizer)
+            if "groups" in saved:  # a sharded checkpoint keeps the named form
+                saved = optim_state.from_named(saved)
+            optimizer.load_state_dict(optim_state.localize(saved, optimizer, module, layout))
+        optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write atomically: the whole file on the first rank, or (sharded) every stage's part.
+
+        Nothing is written once a rank has failed (``OnExceptionCheckpoint``, say): the stages may stand at
+        different steps and the failed one cannot be asked, so a checkpoint would not be consistent.
+        """
+        if self.failed:
+            rank_zero_warn(f"Not saving the checkpoint {str(filepath)!r}: a stage of the pipeline failed, and the "
+                           "stages' states may not belong to the same step. Resume from the last checkpoint saved "
+                           "before the failure.")
+            return
+        if self.pipe is not None:
+            checkpoint["gpipe"] = {"calls": self.pipe.calls, "seed": self.pipe.seed,
+                                   "chunks": self.pipe.chunks, "stages": self.layout.pipe_size,
+                                   "balance": list(self.pipe.balance)}
+            if self._loaders and hasattr(self._loaders[0], "position"):
+                checkpoint["gpipe"]["loader"] = self._loaders[0].position()
+        path = str(filepath)
+        if self.state_dict_type == "sharded":
+            if self.pipe is not None:  # the key order of a one-device state_dict, for `consolidate`
+                keys = self.pipe.gather(list(self.pipe.state_dict()), to_all=False)
+                full = {k: None for part in keys or [] for k in part}
+                checkpoint["gpipe"]["state_dict_keys"] = list(
+                    model_state.merge_backbone(checkpoint["state_dict"], full, self.backbone + "."))
+            save_sharded(checkpoint, path, writer=self.is_global_zero)
+        elif self.is_global_zero:
+            if "://" in path:  # a remote filesystem: leave atomicity to the CheckpointIO plugin
+                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            else:
+                atomic_write(lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options), path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a full file (``weights_only=True`` unless asked otherwise) or this stage's part of a sharded one."""
+        path = str(checkpoint_path)
+        self._saved_model_keys = None
+        if is_sharded(path):
+            checkpoint = load_sharded(path, self._stage_selector())
+            order = {k: i for i, k in enumerate(checkpoint.get("gpipe", {}).get("state_dict_keys") or [])}
+            self._saved_model_keys = sorted(sharded_model_keys(path), key=lambda k: order.get(k, len(order)))
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path,
+                                                 weights_only=True if weights_only is None else weights_only)
+        saved = checkpoint.get("gpipe")
+        if saved is not None and self.pipe is not None:  # the random streams go on where they stopped
+            self.pipe.calls = saved["calls"]
+            if self.seed is None:  # an explicit seed= wins (and warns), else the checkpoint's
+                self.pipe.seed = saved["seed"]
+            self._warn_if_random_streams_change(saved)
+        if saved is not None and saved.get("loader") is not None:
+            self._loader_position = saved["loader"]  # for the training loader the loop makes next
+            silence_not_resumable_warning()
+        return checkpoint
+
+    def _warn_if_random_streams_change(self, saved: dict[str, Any]) -> None:
+        """Warn once (rank 0) when a training resume draws other dropout masks than the run it continues.
+
+        The masks are keyed by (seed, call, micro-batch, layer): another ``chunks`` cuts other
+        micro-batches, another seed draws other streams. Another K or balance changes neither.
+        """
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or self.pipe is None:
+            return
+        changed = [f"{name}={now} (the checkpoint's: {then})"
+                   for name, now, then in (("chunks", self.pipe.chunks, saved.get("chunks")),
+                                           ("seed", self.pipe.seed, saved.get("seed")))
+                   if then is not None and now != then]
+        if changed:
+            rank_zero_warn(
+                f"Resuming with {' and '.join(changed)}. Dropout's random streams are keyed by (seed, call, "
+                "micro-batch, layer), so the random layers draw other masks and the results will differ from "
+                f"an uninterrupted run. To keep them, resume with GPipeStrategy(chunks={saved.get('chunks')}) "
+                "and leave `seed` unset (the checkpoint's seed is then used) or set it to "
+                f"{saved.get('seed')}. A different number of stages or balance is fine.", category=UserWarning)
+
+    def _stage_selector(self) -> Callable[[tuple], bool]:
+        """Which entries of a sharded checkpoint this stage reads: its own layers, the rest of the model."""
+        module = self.lightning_module
+        assert module is not None
+        params = {n for n, _ in module.named_parameters()} | set(tied.canonical_names(module).values())
+        return stage_selector(set(module.state_dict()), params)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        state_dict = checkpoint["state_dict"]
+        if strict:  # every rank checks the whole model's keys: each loads only its own layers' entries
+            local = module.state_dict(keep_vars=True)
+            expected = model_state.full_keys(local, self.pipe, self.backbone + ".") if self.pipe else list(local)
+            saved = self._saved_model_keys if self._saved_model_keys is not None else list(state_dict)
+            model_state.check_keys(expected, saved, type(module).__name__)
+        if self.pipe is not None:  # partitioned: this stage takes its layers' entries only
+            state_dict = model_state.local_state_dict(state_dict, self.pipe, self.backbone + ".")
+        module.load_state_dict(state_dict, strict=strict)
+
+    # -- failure and teardown --------------------------------------------------------------------------
 
     def _report_failure(self, exception: BaseException) -> Optional[BaseException]:
         """Tell the other ranks at once (before Lightning runs any callback's ``on_exception``), then stop
@@ -408,7 +670,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
         board = self._board
         if board is not None:
             board.publish(exception)
-        if self.pipe is not None and self.pipe.runner.channels is not None:  # threads may wait on dead peers
+        if self.pipe is not None and self.pipe.has_peers:  # threads may wait on dead peers
             exit_without_finalizers(board)
         found = board.found if board is not None else None
         return found if found is not None and found is not exception else None
@@ -439,7 +701,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
             if self.state_dict_type == "sharded":  # put in after Lightning's `module.cpu()`, which meta would fail
                 sharded = (owner, name, self.pipe.full_sequential())
             else:
-                setattr(owner, name, state.reassemble(self.pipe))
+                setattr(owner, name, model_state.reassemble(self.pipe))
             self.pipe.close()
         self.pipe = None
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
@@ -451,7 +713,7 @@ class GPipeStrategy(PipelineCheckpoints, ReplicaCollectives, ParallelStrategy):
             rank_zero_info(
                 f"state_dict_type='sharded': after the run each rank holds only its own stage of `{self.backbone}` "
                 "(the other layers are on the meta device). For the whole model, load the sharded checkpoint "
-                "with `lightning_gpipe.checkpoint.consolidate(path)`.")
+                "with `lightning_gpipe.checkpointing.files.consolidate(path)`.")
 
     @classmethod
     @override
@@ -474,15 +736,25 @@ def _refuse_fp16_scaler(plugin: Precision) -> None:
         )
 
 
-def _use_global_norm_clipping(plugin: Precision, strategy: GPipeStrategy) -> None:
-    # Lightning clips through `precision_plugin.clip_grad_by_norm(optimizer, clip_val)`, a public method
-    # with no strategy hook around it. Norm clipping must use the norm over all stages, so this one
-    # helper rebinds that method on the plugin instance.
-    def clip_grad_by_norm(self: Precision, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-        pipe = strategy.pipe
-        assert pipe is not None
-        clipping.clip_grad_norm_(self.main_params(optimizer), clip_val, pipe.parameters(),
-                                 count_replicated=pipe.stage == 0, group=pipe.group,
-                                 counted_elsewhere=pipe.ties.counted_elsewhere())
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
 
-    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)  # type: ignore[method-assign]
+
+class _GlobalNormClipping:
+    """Mixed into the run's precision plugin: norm clipping by the norm over every stage, not this stage's.
+
+    Lightning clips through ``precision_plugin.clip_grad_by_norm(optimizer, clip_val)``, a public method
+    with no strategy hook around it, and builds the plugin itself from ``precision=``; so the strategy
+    runs with a copy of the plugin whose class adds this (see :mod:`lightning_gpipe._subclass`). Without
+    a pipeline (another strategy's run) it clips as the plugin would.
+    """
+
+    pipeline: Callable[[], Optional[GPipe]]  # the running strategy's pipe (set with the copy)
+
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+        pipe = self.pipeline()
+        if pipe is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]  # the plugin's own class
+        main_params = self.main_params(optimizer)  # type: ignore[attr-defined]
+        clip_grad_norm_(main_params, clip_val, pipe.parameters(), count_replicated=pipe.stage == 0, group=pipe.group,
+                        counted_elsewhere=pipe.ties.counted_elsewhere())

@@ -87,7 +87,7 @@ def resume_everything(rank: int, world_size: int, directory: str, one_device_ckp
         path = os.path.join(where, "step=3.ckpt")
         out[f"no state {optimizer} resumed"] = run(world_size, optimizer, frozen=frozen, seed=1, ckpt_path=path)
         if rank == 0:
-            from lightning_gpipe.checkpoint import consolidate
+            from lightning_gpipe.checkpointing.files import consolidate
             saved = consolidate(path)["optimizer_states"][0]  # named; DCP drops an empty state dict
             out[f"no state {optimizer} saved"] = sorted(saved.get("state", {}))
     out["from one device"] = run(world_size, "adam", shuffle=False, random=False, seed=1, ckpt_path=one_device_ckpt)

@@ -11,7 +11,7 @@ import _models as M
 from _launch import run_ok
 from _monitor_workers import monitored_fit
 from lightning_gpipe import PipelineMonitor
-from lightning_gpipe.schedule import bubble_fraction
+from lightning_gpipe.engine.schedule import bubble_fraction
 
 #: K -> (chunks, checkpoint mode, traced steps)
 SETUPS = {2: (4, "except_last", [1, 3]), 3: (3, "always", [2])}

@@ -10,7 +10,7 @@ import torch
 import _models as M
 import _resume as R
 from _launch import run_ok, run_processes
-from lightning_gpipe.checkpoint import consolidate
+from lightning_gpipe.checkpointing.files import consolidate
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_a_crash_while_saving_leaves_the_last_good_checkpoint(tmp_path):
 
 
 def test_a_write_that_raises_removes_its_temporary_file_and_keeps_the_previous_checkpoint(tmp_path):
-    from lightning_gpipe.checkpoint import atomic_write
+    from lightning_gpipe.checkpointing.files import atomic_write
 
     path = str(tmp_path / "last.ckpt")
     atomic_write(lambda tmp: torch.save({"step": 1}, tmp), path)
@@ -177,7 +177,7 @@ def test_a_write_that_raises_removes_its_temporary_file_and_keeps_the_previous_c
 
 
 def test_a_failed_sharded_write_removes_its_temporary_directory_and_keeps_the_previous_one(tmp_path):
-    from lightning_gpipe.checkpoint import MetadataError, load_sharded, save_sharded
+    from lightning_gpipe.checkpointing.files import MetadataError, load_sharded, save_sharded
 
     path = str(tmp_path / "step=1.ckpt")
     save_sharded({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, path, writer=True)
@@ -186,7 +186,7 @@ def test_a_failed_sharded_write_removes_its_temporary_directory_and_keeps_the_pr
     with pytest.raises(RuntimeError, match="write failed"):
         def broken(*args, **kwargs):
             raise RuntimeError("write failed")
-        import lightning_gpipe.checkpoint as C
+        import lightning_gpipe.checkpointing.files as C
         original, C.save_metadata = C.save_metadata, broken
         try:
             save_sharded({"state_dict": {"w": torch.zeros(2)}, "epoch": 1}, path, writer=True)
@@ -198,7 +198,7 @@ def test_a_failed_sharded_write_removes_its_temporary_directory_and_keeps_the_pr
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["file", "directory"])
 def test_a_successful_write_fsyncs_the_files_then_the_folder_after_the_rename(tmp_path, monkeypatch, sharded):
-    from lightning_gpipe import checkpoint as C
+    from lightning_gpipe.checkpointing import files as C
 
     synced, renamed = [], []
     real_fsync, real_replace = os.fsync, os.replace

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import torch
 
-from lightning_gpipe.metadata import JSON_FILE, MetadataError, decode, encode, load_metadata, save_metadata
+from lightning_gpipe.checkpointing.metadata import JSON_FILE, MetadataError, decode, encode, load_metadata, save_metadata
 
 
 class Mode(enum.Enum):

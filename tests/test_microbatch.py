@@ -5,7 +5,7 @@ import collections
 import pytest
 import torch
 
-from lightning_gpipe import microbatch
+from lightning_gpipe.engine import microbatch
 
 
 def test_split_sizes_are_as_even_as_possible_and_never_empty():

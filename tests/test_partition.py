@@ -6,7 +6,7 @@ import random
 import pytest
 from torch import nn
 
-from lightning_gpipe.partition import balance, balance_by_params, parameter_costs, stage_bounds, validate_balance
+from lightning_gpipe.engine.partition import balance, balance_by_params, parameter_costs, stage_bounds, validate_balance
 
 
 def _compositions(n, k):

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from lightning_gpipe import balance
-from lightning_gpipe.profiling import LayerCosts, capture_input, profile_layers, sample_micro_batch, state_bytes
+from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers, state_bytes
+from lightning_gpipe.balancing.sample import capture_input, sample_micro_batch
 
 
 class Sleep(nn.Module):

@@ -2,7 +2,7 @@
 
 import torch
 
-from lightning_gpipe.rng import isolated_rng, layer_seed, seed_layer
+from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
 
 
 def test_layer_seeds_differ_by_every_key_and_repeat_for_the_same_key():

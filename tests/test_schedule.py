@@ -2,7 +2,8 @@
 
 import pytest
 
-from lightning_gpipe.schedule import bubble_fraction, checkpointed, clock_cycles, fill_drain
+from lightning_gpipe.engine.checkpoint import checkpointed
+from lightning_gpipe.engine.schedule import bubble_fraction, clock_cycles, fill_drain
 
 
 def test_checkpoint_modes():

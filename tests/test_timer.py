@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from lightning_gpipe import GPipe, StageTimer
-from lightning_gpipe.timer import Span, StepRecord, derived, peak_memory_bytes, span, wall_clock_offset
+from lightning_gpipe.engine.tracer import span
+from lightning_gpipe.monitor.timer import Span, StepRecord, derived, peak_memory_bytes, wall_clock_offset
 
 
 class Recorder:

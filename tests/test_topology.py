@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_gpipe.topology import PipeLayout
+from lightning_gpipe.engine.topology import PipeLayout
 
 
 def test_consecutive_ranks_form_a_pipeline_and_same_stages_form_replicas():

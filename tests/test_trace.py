@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from lightning_gpipe.timer import Span, StepRecord
-from lightning_gpipe.trace import chrome_trace, write_chrome_trace, write_timeline_png
+from lightning_gpipe.monitor.timer import Span, StepRecord
+from lightning_gpipe.monitor.timeline import chrome_trace, write_chrome_trace, write_timeline_png
 
 
 def _rows():

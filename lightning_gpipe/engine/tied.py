@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.distributed import backend_for
-from lightning_gpipe.failure import PipelineError
-from lightning_gpipe.microbatch import as_bits
-from lightning_gpipe.partition import stage_bounds
-from lightning_gpipe.topology import PipeLayout
+from lightning_gpipe.engine.distributed import backend_for
+from lightning_gpipe.engine.failure import PipelineError
+from lightning_gpipe.engine.microbatch import as_bits
+from lightning_gpipe.engine.partition import stage_bounds
+from lightning_gpipe.engine.topology import PipeLayout
 
 __all__ = ["Tie", "TiedCopies", "canonical_names", "find_ties", "refuse_ties_outside", "untie"]
 
@@ -135,7 +135,7 @@ class TiedCopies:
 
     With replicas, one all-reduce over that group does both sums at once: the holder stages' (a tie)
     and the replicas' (data parallelism), divided by the number of replicas. So the copies are left
-    out of :class:`~lightning_gpipe.replicas.GradientSync` (see :meth:`excluded`), which would
+    out of :class:`~lightning_gpipe.engine.replicas.GradientSync` (see :meth:`excluded`), which would
     otherwise average their gradients before the other stages' share had arrived.
     """
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from lightning_gpipe.timer import COMPUTE, StepRecord
+from lightning_gpipe.monitor.timer import COMPUTE, StepRecord
 
 __all__ = ["chrome_trace", "write_chrome_trace", "write_timeline_png"]
 
@@ -39,7 +39,7 @@ def chrome_trace(rows: Rows, metadata: Optional[Mapping[str, Any]] = None) -> di
     ``F3``, ``R3`` or ``B3`` for micro-batch 3, with ``cat`` the pass and ``args`` its step and
     micro-batch. Times are microseconds from the first box; ``metadata`` goes to ``otherData``.
 
-    >>> from lightning_gpipe.timer import Span
+    >>> from lightning_gpipe.monitor.timer import Span
     >>> rows = {(0, 0): [StepRecord(0, 0.0, 1.0, [Span("forward", 0, 0.25, 0.5)])]}
     >>> [(e["name"], e["ts"], e["dur"]) for e in chrome_trace(rows)["traceEvents"] if e["ph"] == "X"]
     [('F0', 0.0, 250000.0)]

@@ -5,7 +5,7 @@
   Needs the whole model in the first stage's host memory while saving.
 * ``sharded``: every stage writes its own tensors with ``torch.distributed.checkpoint`` (DCP) into a
   directory, keyed by the original parameter names, plus the rest of Lightning's state as JSON
-  and a weights-only tensor file (:mod:`lightning_gpipe.metadata`: nothing in it is unpickled).
+  and a weights-only tensor file (:mod:`lightning_gpipe.checkpointing.metadata`: nothing in it is unpickled).
   Nothing is gathered, so it suits models too big for one host; any K resumes it, because
   each stage reads back the names it holds. All ranks must see the same filesystem.
   :func:`consolidate` turns it into a full file offline.
@@ -28,9 +28,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element  # private: what DCP's own planner uses
 
-from lightning_gpipe.metadata import JSON_FILE, MetadataError, encode, load_metadata, save_metadata
+from lightning_gpipe.engine.distributed import is_distributed
+from lightning_gpipe.checkpointing.metadata import JSON_FILE, MetadataError, encode, load_metadata, save_metadata
 
-__all__ = ["atomic_write", "save_sharded", "load_sharded", "sharded_model_keys", "consolidate", "is_sharded", "META",
+__all__ = [
+    "stage_selector","atomic_write", "save_sharded", "load_sharded", "sharded_model_keys", "consolidate", "is_sharded", "META",
            "MetadataError"]
 
 META = JSON_FILE
@@ -118,7 +120,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str, writer: bool) -> None:
 
     Replicated entries (layers outside the backbone) are written once. ``writer`` (one rank) also
     writes the metadata (everything that is not a tensor of the model or the optimizers, without
-    pickle: see :mod:`lightning_gpipe.metadata`), flushes the files and moves the finished directory
+    pickle: see :mod:`lightning_gpipe.checkpointing.metadata`), flushes the files and moves the finished directory
     into place. A value the metadata cannot hold fails before any tensor is written; any failure on
     the writer removes the temporary directory.
     """
@@ -127,7 +129,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str, writer: bool) -> None:
     tmp = path + ".tmp"
     if writer and os.path.exists(tmp):
         shutil.rmtree(tmp)
-    if dist.is_initialized():
+    if is_distributed():
         dist.barrier()
     try:
         dcp.save(_as_dcp(checkpoint), checkpoint_id=tmp)
@@ -177,6 +179,19 @@ def sharded_model_keys(path: str) -> list[str]:
     return [keys[1] for keys in metadata.planner_data.values() if keys[0] == "state_dict"]
 
 
+def stage_selector(model_keys: set[str], param_names: set[str]) -> Callable[[tuple], bool]:
+    """Which entries of a sharded checkpoint one stage reads (for :func:`load_sharded`): the model entries in
+    ``model_keys`` (its own layers, the rest of the model) and the optimizer state of ``param_names``."""
+    def wanted(keys: tuple) -> bool:
+        if keys[0] == "state_dict":
+            return keys[1] in model_keys
+        if keys[0] == "optimizer_states":
+            return keys[2] == "groups" or (keys[2] in ("state", "group_of") and keys[3] in param_names)
+        return False
+
+    return wanted
+
+
 def load_sharded(path: str, wanted: Callable[[tuple], bool], collective: Optional[bool] = None) -> dict[str, Any]:
     """Read back the entries of a sharded checkpoint whose key path ``wanted`` accepts, plus its metadata.
 
@@ -197,7 +212,7 @@ def load_sharded(path: str, wanted: Callable[[tuple], bool], collective: Optiona
             target[tuple(keys)] = None  # a pickled value, filled in by the load
     nested = _nested(target)
     dcp.load(nested, checkpoint_id=path, planner=_WeightsOnlyPlanner(),
-             no_dist=not (dist.is_initialized() if collective is None else collective))
+             no_dist=not (is_distributed() if collective is None else collective))
     checkpoint = load_metadata(path)
     checkpoint["state_dict"] = nested.get("state_dict", {})
     optimizers = nested.get("optimizer_states", {})

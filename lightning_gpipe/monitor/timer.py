@@ -1,7 +1,7 @@
-"""Per-stage timing of a pipeline: the engine's tracer hook, and a timer that records steps on a shared clock.
+"""Per-stage timing of a pipeline: a timer that records steps on a shared clock.
 
-The engine reports each pass of its stage through ``StageRunner.tracer`` (:class:`Tracer`).
-:class:`StageTimer` implements it. On the CPU it stamps ``time.perf_counter``; on a GPU it records
+The engine reports each pass of its stage through ``GPipe.tracer``
+(:class:`lightning_gpipe.engine.tracer.Tracer`); :class:`StageTimer` implements it. On the CPU it stamps ``time.perf_counter``; on a GPU it records
 CUDA events on the current stream and reads them only once they have completed, so it adds no
 synchronization to the step. Times are then moved to one clock that every process of a host shares
 (see :func:`wall_clock_offset`), so the boxes of different stages can be compared.
@@ -13,9 +13,8 @@ import math
 import sys
 import time
 from collections import deque
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 
@@ -24,49 +23,13 @@ try:
 except ImportError:  # Windows: no getrusage
     resource = None  # type: ignore[assignment]
 
-__all__ = ["Tracer", "span", "Span", "StepRecord", "StageTimer", "FIELDS", "COMPUTE", "wall_clock_offset",
+__all__ = ["Span", "StepRecord", "StageTimer", "FIELDS", "COMPUTE", "wall_clock_offset",
            "derived", "peak_memory_bytes"]
 
 #: The passes that are work: their time is the stage's busy time.
 COMPUTE = ("forward", "recompute", "backward")
 #: Seconds per step that :meth:`StepRecord.totals` adds up; ``window`` is the fill plus the drain.
 FIELDS = ("forward", "recompute", "backward", "wait", "window", "step")
-
-
-class Tracer(Protocol):
-    """What ``StageRunner.tracer`` must be: told where each pass of the stage starts and stops.
-
-    ``start(kind)`` runs right before the pass and returns a token (a clock stamp, a CUDA event)
-    that ``stop(kind, micro, token)`` gets right after it. Kinds: ``"forward"``, ``"recompute"``,
-    ``"backward"`` (one micro-batch's compute); ``"wait"`` (blocked on a message, or on the delivery
-    of sends); ``"fill"`` and ``"drain"`` (one call's whole forward and backward). ``micro`` is -1
-    where no micro-batch applies (the shared output, the input gradient, fill, drain, flushes).
-    """
-
-    def start(self, kind: str) -> Any: ...
-
-    def stop(self, kind: str, micro: int, token: Any) -> None: ...
-
-
-class _Span:
-    __slots__ = ("tracer", "kind", "micro", "token")
-
-    def __init__(self, tracer: Tracer, kind: str, micro: int) -> None:
-        self.tracer, self.kind, self.micro = tracer, kind, micro
-
-    def __enter__(self) -> None:
-        self.token = self.tracer.start(self.kind)
-
-    def __exit__(self, *exc: object) -> None:
-        self.tracer.stop(self.kind, self.micro, self.token)
-
-
-_UNTRACED = nullcontext()  # reusable, so an untraced pass costs one attribute check and a no-op `with`
-
-
-def span(tracer: Optional[Tracer], kind: str, micro: int = -1) -> AbstractContextManager[None]:
-    """A ``with`` block that reports one pass to ``tracer``; a no-op when it is ``None``."""
-    return _UNTRACED if tracer is None else _Span(tracer, kind, micro)
 
 
 def wall_clock_offset(samples: int = 7) -> float:
@@ -162,6 +125,7 @@ class StageTimer:
     on the CPU; on a GPU once the step's last event has completed, so reading it never stalls the
     device (``wait=True`` synchronizes, for the end of a run).
 
+    >>> from lightning_gpipe.engine.tracer import span
     >>> timer = StageTimer(torch.device("cpu"))
     >>> timer.begin_step(0)
     >>> with span(timer, "forward", 0):

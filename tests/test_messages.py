@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_gpipe.comm import HEADER_LEN, Message, Tag, decode, encode
-from lightning_gpipe.lockstep import check_message
+from lightning_gpipe.engine.messages import HEADER_LEN, Message, Tag, decode, encode
+from lightning_gpipe.engine.lockstep import check_message
 from lightning_gpipe import PipelineError
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["is_distributed", "backend_for", "wait", "barrier", "all_reduce", "broadcast_object", "gather_objects",
+__all__ = ["is_distributed", "default_backend", "backend_for", "wait", "barrier", "all_reduce", "broadcast_object", "gather_objects", "reduce_op",
            "Watch"]
 
 #: Called while a collective is pending; raises to abandon it.
@@ -29,6 +29,11 @@ Watch = Callable[[], None]
 def is_distributed() -> bool:
     """Whether ``torch.distributed`` is available and its default group is initialized."""
     return dist.is_available() and dist.is_initialized()
+
+
+def default_backend(device: torch.device) -> str:
+    """The backend of the job's default process group, as Lightning's DDP picks it: NCCL on GPUs, else gloo."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def backend_for(device: torch.device) -> str:
@@ -68,6 +73,21 @@ def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Optional[dist
     """``tensor`` reduced over ``group``, in place."""
     wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), watch)
     return tensor
+
+
+def reduce_op(op: Any) -> tuple[Any, bool]:
+    """torch's ``ReduceOp`` for a reduction named as Lightning names them, and whether it is a mean.
+
+    A mean is a sum that the caller divides by the group size (gloo has no average).
+
+    >>> reduce_op("mean")
+    (<RedOpType.SUM: 0>, True)
+    """
+    name = op.lower() if isinstance(op, str) else op
+    if name in (None, "mean", "avg"):
+        return dist.ReduceOp.SUM, True
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    return ops.get(name, name), False
 
 
 def _as_bytes(obj: Any, device: torch.device) -> Tensor:

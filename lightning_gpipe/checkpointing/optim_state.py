@@ -15,8 +15,8 @@ from typing import Any, Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_gpipe.failure import PipelineError
-from lightning_gpipe.tied import canonical_names
+from lightning_gpipe.engine.failure import PipelineError
+from lightning_gpipe.engine.tied import canonical_names
 
 __all__ = ["Layout", "param_names", "named_state", "layout", "merge", "localize", "from_named"]
 

@@ -9,9 +9,10 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor
 
-from lightning_gpipe.rng import mix64
+from lightning_gpipe.engine.rng import mix64
 
 __all__ = [
+    "check_chunks",
     "Outputs", "tensors", "map_tensors", "batch_size", "split_sizes", "split", "scatter", "gather", "as_tuple",
     "from_tuple", "fingerprint", "as_bits",
 ]
@@ -67,6 +68,17 @@ def batch_size(batch: Any) -> int:
     return sizes.pop()
 
 
+def check_chunks(chunks: object) -> int:
+    """``chunks`` if it is a positive integer (micro-batches per batch), else a ``ValueError`` that says so.
+
+    >>> check_chunks(4)
+    4
+    """
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"`chunks` must be a positive integer (micro-batches per batch), got {chunks!r}.")
+    return chunks
+
+
 def split_sizes(size: int, chunks: int) -> list[int]:
     """Micro-batch sizes for a batch of ``size`` samples cut into ``chunks`` pieces.
 
@@ -76,8 +88,7 @@ def split_sizes(size: int, chunks: int) -> list[int]:
     >>> split_sizes(10, 4)
     [3, 3, 2, 2]
     """
-    if chunks < 1:
-        raise ValueError(f"`chunks` must be a positive integer, got {chunks}.")
+    check_chunks(chunks)
     if size < chunks:
         raise ValueError(
             f"The batch has {size} samples but `chunks={chunks}` micro-batches were asked for; every micro-batch needs "

@@ -15,11 +15,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_gpipe._lightning import log_to_loggers, should_update_logs
-from lightning_gpipe.pipe import GPipe
-from lightning_gpipe.schedule import bubble_fraction
+from lightning_gpipe.engine.pipe import GPipe
+from lightning_gpipe.engine.schedule import bubble_fraction
 from lightning_gpipe.strategy import GPipeStrategy
-from lightning_gpipe.timer import FIELDS, Span, StageTimer, StepRecord, derived, peak_memory_bytes
-from lightning_gpipe.trace import write_chrome_trace, write_timeline_png
+from lightning_gpipe.monitor.timer import FIELDS, Span, StageTimer, StepRecord, derived, peak_memory_bytes
+from lightning_gpipe.monitor.timeline import write_chrome_trace, write_timeline_png
 
 __all__ = ["PipelineMonitor"]
 

@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from lightning_gpipe.engine.distributed import is_distributed
+
 __all__ = ["PipelineError", "FailureBoard", "destroy_process_groups_at_exit", "exit_without_finalizers"]
 
 _KEY, _ACKS = "failed", "acks"
@@ -77,7 +79,7 @@ def destroy_process_groups_at_exit() -> None:
     destroy_process_groups_at_exit._registered = True  # type: ignore[attr-defined]
 
     def _destroy() -> None:
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             try:
                 dist.destroy_process_group()
             except Exception:  # exiting anyway: a group that cannot be shut down is left to the OS
@@ -111,7 +113,7 @@ class FailureBoard:
     @classmethod
     def for_default_group(cls, describe: Callable[[int], str], namespace: str) -> "FailureBoard":
         """A board on the default group's store; a no-op outside ``torch.distributed``."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             return cls(None, 0, 1, describe, namespace)
         return cls(_default_store(), dist.get_rank(), dist.get_world_size(), describe, namespace)
 

@@ -1,6 +1,6 @@
 """Per-layer costs of a Sequential (parameters, time, memory), measured one layer at a time; plain PyTorch.
 
-The costs feed :func:`lightning_gpipe.partition.balance`. Each layer is moved to the device alone,
+The costs feed :func:`lightning_gpipe.engine.partition.balance`. Each layer is moved to the device alone,
 run forward and backward on the output of the layer before it, and moved back, so a model far
 larger than the device is profiled with one layer and one micro-batch's activations on it at a time.
 Nothing is left changed: buffers (BatchNorm's running statistics), ``.grad`` and the random state
@@ -18,10 +18,10 @@ from typing import Any, Callable, ContextManager, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import microbatch
-from lightning_gpipe.rng import isolated_rng
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.rng import isolated_rng
 
-__all__ = ["COST_KINDS", "LayerCosts", "capture_input", "profile_layers", "sample_micro_batch", "state_bytes"]
+__all__ = ["COST_KINDS", "LayerCosts", "profile_layers", "state_bytes"]
 
 #: The measured costs a split can balance, besides an explicit list.
 COST_KINDS = ("params", "time", "memory")
@@ -69,58 +69,6 @@ def state_bytes(layer: nn.Module, optimizer_states: float = 2.0) -> int:
         size = p.numel() * p.element_size()
         total += size * (1 + (1 + optimizer_states) * p.requires_grad)
     return int(total)
-
-
-def sample_micro_batch(batch: Any, chunks: int) -> Any:
-    """The first micro-batch of ``batch`` cut into ``chunks`` (or fewer, if it is smaller), as fresh tensors.
-
-    Fresh tensors own their memory, so the first layer's saved input is counted at the micro-batch's
-    size, not at the size of the batch it was cut from.
-
-    >>> sample_micro_batch(torch.zeros(10, 3), 4).shape
-    torch.Size([3, 3])
-    """
-    first = microbatch.scatter(batch, min(chunks, microbatch.batch_size(batch)))[0]
-    return microbatch.map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), first)
-
-
-class _Captured(BaseException):
-    # A BaseException, so that a user's `except Exception` between the call and the backbone does not swallow it.
-    pass
-
-
-def capture_input(target: nn.Module, run: Callable[[], Any], owner: Optional[nn.Module] = None) -> Any:
-    """The input that ``run()`` passes to ``target``; ``target`` and whatever comes after it do not run.
-
-    This finds what a backbone receives from code around it (a ``training_step``, a stem) without
-    running the backbone, which may not fit on one device. The buffers of ``owner`` (say the
-    LightningModule: a stem's BatchNorm statistics) and the random state are put back afterwards.
-    Returns detached tensors that keep their ``requires_grad``; raises ``LookupError`` if ``run``
-    returns without calling ``target``.
-    """
-    box: dict[str, Any] = {}
-
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        values = (*args, *kwargs.values())
-        box["input"] = values[0] if len(values) == 1 else values
-        raise _Captured
-
-    inside = {id(b) for b in target.buffers()}
-    saved = [(b, b.detach().clone()) for b in (owner.buffers() if owner is not None else ()) if id(b) not in inside]
-    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with isolated_rng(torch.device("cpu")):
-            run()
-    except _Captured:
-        pass
-    finally:
-        handle.remove()
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-    if "input" not in box:
-        raise LookupError("the code ran to the end without calling the backbone")
-    return microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), box["input"])
 
 
 def profile_layers(module: nn.Sequential, sample: Any, device: Union[torch.device, str, None] = None, *,

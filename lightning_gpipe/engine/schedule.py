@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CHECKPOINT_MODES", "Task", "checkpointed", "fill_drain", "clock_cycles", "bubble_fraction"]
+from lightning_gpipe.engine.checkpoint import checkpointed
 
-#: The re-materialization policies of torchgpipe, by name.
-CHECKPOINT_MODES = ("always", "except_last", "never")
+__all__ = ["Task", "bubble_fraction", "clock_cycles", "fill_drain"]
 
 Pass = Literal["forward", "recompute", "backward"]
 
@@ -23,21 +22,6 @@ class Task:
 
     kind: Pass
     micro: int
-
-
-def checkpointed(mode: str, micro: int, chunks: int) -> bool:
-    """Whether micro-batch ``micro`` drops its activations in the forward and recomputes them in the backward.
-
-    ``except_last`` keeps the last micro-batch: it is the first to be back-propagated, so recomputing it
-    would be done at once, with nothing to overlap.
-    """
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"`checkpoint` must be one of {CHECKPOINT_MODES}, got {mode!r}.")
-    if mode == "always":
-        return True
-    if mode == "except_last":
-        return micro < chunks - 1
-    return False
 
 
 def fill_drain(chunks: int, checkpoint: str = "except_last") -> tuple[list[Task], list[Task]]:

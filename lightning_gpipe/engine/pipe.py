@@ -3,41 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NoReturn, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_gpipe import distributed, microbatch
-from lightning_gpipe.comm import Channels
-from lightning_gpipe.engine import StageRunner, Tracer
-from lightning_gpipe.failure import FailureBoard, PipelineError
-from lightning_gpipe.lockstep import stray_message_error
-from lightning_gpipe.partition import balance_by_params, stage_bounds, validate_balance
-from lightning_gpipe.replicas import GradientSync
-from lightning_gpipe.tied import TiedCopies, find_ties, untie
-from lightning_gpipe.topology import PipeLayout
+from lightning_gpipe.engine import distributed
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.channels import Channels
+from lightning_gpipe.engine.stage import StageRunner
+from lightning_gpipe.engine.tracer import Tracer
+from lightning_gpipe.engine.failure import FailureBoard, PipelineError
+from lightning_gpipe.engine.lockstep import stray_message_error
+from lightning_gpipe.engine.partition import balance_by_params, stage_bounds, validate_balance
+from lightning_gpipe.engine.replicas import GradientSync
+from lightning_gpipe.engine.tied import TiedCopies, find_ties, untie
+from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 
-__all__ = ["GPipe", "make_mesh", "STRAY_GRACE"]
+__all__ = ["STRAY_GRACE", "GPipe"]
 
 #: Seconds a message from a peer may wait untaken while this rank is blocked in a collective of the whole
 #: pipeline, before the two count as out of step. A peer cannot pass such a collective before this rank
 #: joins it, so a message that waits through one was sent from a call this rank never makes; the grace only
 #: lets a message that was already on its way be counted.
 STRAY_GRACE = 5.0
-
-
-def make_mesh(layout: PipeLayout, device: torch.device) -> DeviceMesh:
-    """The 2-D mesh ``(dp, pp)``: row ``r`` is pipeline ``r``, column ``k`` is stage ``k`` of every replica.
-
-    Collective over all processes. Its groups use gloo for CPU tensors beside NCCL for CUDA ones, so
-    that small CPU collectives (object broadcasts, counts) work in GPU jobs too.
-    """
-    backend = distributed.backend_for(device)
-    return init_device_mesh(device.type, (layout.num_replicas, layout.pipe_size), mesh_dim_names=("dp", "pp"),
-                            backend_override={"dp": backend, "pp": backend})
 
 
 class GPipe(nn.Module):
@@ -163,8 +155,16 @@ class GPipe(nn.Module):
         return distributed.broadcast_object(obj, self.ranks[stage], self.group, self.watch("a broadcast"),
                                             self.device)
 
+    def gather(self, obj: Any, to_all: bool = True) -> Optional[list[Any]]:
+        """``obj`` from every stage of this pipeline, in stage order: on every stage if ``to_all``, else on the
+        first stage only (``None`` on the others); collective."""
+        if self.group is None:
+            return [obj]
+        return distributed.gather_objects(obj, self.group, self.watch("a gather of every stage's state"),
+                                          dst=None if to_all else self.ranks[0])
+
     def watch(self, doing: str) -> distributed.Watch:
-        """What a collective of the whole pipeline polls while it waits (see :mod:`lightning_gpipe.distributed`).
+        """What a collective of the whole pipeline polls while it waits (see :mod:`lightning_gpipe.engine.distributed`).
 
         It raises :class:`~lightning_gpipe.PipelineError` once another rank failed, or once a message
         from a peer has waited through the collective (:data:`STRAY_GRACE`): that peer is inside a
@@ -214,7 +214,7 @@ class GPipe(nn.Module):
 
     @property
     def batch_fingerprint(self) -> Optional[int]:
-        """The fingerprint of the current step's batch (:func:`~lightning_gpipe.microbatch.fingerprint`).
+        """The fingerprint of the current step's batch (:func:`~lightning_gpipe.engine.microbatch.fingerprint`).
 
         Every stage checks that the previous stage holds the same batch. Set it before each step to the
         fingerprint of the whole batch (inputs and targets); ``None`` (the default): each call uses
@@ -228,7 +228,45 @@ class GPipe(nn.Module):
 
     @property
     def chunks(self) -> int:
+        """Micro-batches per batch (``M``)."""
         return self.runner.chunks
+
+    @property
+    def seed(self) -> int:
+        """The root of the random streams (with :attr:`calls`, what a resumed run needs to draw alike)."""
+        return self.runner.seed
+
+    @seed.setter
+    def seed(self, seed: int) -> None:
+        self.runner.seed = seed
+
+    @property
+    def calls(self) -> int:
+        """Training calls so far: with the seed, the key of every random stream. Saved with a checkpoint and set
+        back on resume, so that dropout draws the masks of an uninterrupted run."""
+        return self.runner.calls
+
+    @calls.setter
+    def calls(self, calls: int) -> None:
+        self.runner.calls = calls
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether this stage talks to other stages (its receiving threads may wait on a peer that is gone)."""
+        return self.runner.channels is not None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """No gradient averaging over replicas inside the block (gradient accumulation), as in DDP's ``no_sync``."""
+        sync = self.runner.grad_sync
+        if sync is None:
+            yield
+            return
+        sync.enabled = False
+        try:
+            yield
+        finally:
+            sync.enabled = True
 
     @property
     def checkpoint(self) -> str:
@@ -236,7 +274,7 @@ class GPipe(nn.Module):
 
     @property
     def tracer(self) -> Optional[Tracer]:
-        """What this stage reports its passes to (see :class:`lightning_gpipe.timer.StageTimer`); ``None``: nothing."""
+        """What this stage reports its passes to (see :class:`lightning_gpipe.monitor.timer.StageTimer`); ``None``: nothing."""
         return self.runner.tracer
 
     @tracer.setter
@@ -261,7 +299,8 @@ class GPipe(nn.Module):
 
     def close(self) -> None:
         """Shut the links between stages down; collective, call on every process of the job."""
-        if self.runner.channels is not None:
+        if self.has_peers:
+            assert self.runner.channels is not None
             self.runner.channels.close()
             self.runner.channels = None
         if self.runner.grad_sync is not None:

@@ -7,29 +7,20 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import distributed
-from lightning_gpipe.pipe import GPipe
+from lightning_gpipe.engine.pipe import GPipe
 
-__all__ = ["gather_objects", "gather_state_dict", "merge_backbone", "reassemble", "local_state_dict"]
+__all__ = ["check_keys", "full_keys", "gather_state_dict", "local_state_dict", "merge_backbone", "reassemble"]
 
 
 def _cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
-def gather_objects(pipe: GPipe, obj: Any, to_all: bool) -> Optional[list[Any]]:
-    """``obj`` from every stage, in stage order: on every stage if ``to_all``, else on the first stage only."""
-    if pipe.group is None:
-        return [obj]
-    return distributed.gather_objects(obj, pipe.group, pipe.watch("a gather of every stage's state"),
-                                      dst=None if to_all else pipe.ranks[0])
-
-
 def gather_state_dict(pipe: GPipe) -> Optional[dict[str, Tensor]]:
     """The full Sequential's ``state_dict`` (keys ``"<layer>.<name>"``, on the CPU) on the first stage; ``None``
     on the others. Collective over the pipeline: only tensors travel, never modules (modules with hook
     closures cannot be pickled)."""
-    parts = gather_objects(pipe, _cpu(pipe.state_dict()), to_all=False)
+    parts = pipe.gather(_cpu(pipe.state_dict()), to_all=False)
     if parts is None:
         return None
     return {k: v for part in parts for k, v in part.items()}
@@ -51,6 +42,28 @@ def merge_backbone(local: dict[str, Any], backbone: dict[str, Any], prefix: str)
             rest = {}
     merged.update(rest)  # a first stage without state of its own (only activations, say)
     return merged
+
+
+def full_keys(local: dict[str, Any], pipe: GPipe, prefix: str) -> list[str]:
+    """The whole model's ``state_dict`` keys, as one device has them, from one stage's ``local`` state_dict."""
+    full = dict.fromkeys(pipe.full_sequential().state_dict(keep_vars=True))
+    return list(merge_backbone(local, full, prefix))
+
+
+def check_keys(expected: list[str], saved: list[str], model: str) -> None:
+    """Fail when a checkpoint was written for another model than ``model`` (named in the error).
+
+    Each stage loads only its own layers' entries, so without this check a checkpoint of another
+    backbone would load without complaint; every rank checks the whole model's keys, so all fail alike.
+    """
+    saved_set, expected_set = set(saved), set(expected)
+    missing = [k for k in expected if k not in saved_set]
+    unexpected = [k for k in saved if k not in expected_set]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"The checkpoint does not fit {model}: missing keys {missing}, unexpected keys {unexpected}. Resume "
+            "with the model (and backbone) the checkpoint was written for, or set `strict_loading = False` on the "
+            "LightningModule to load the matching entries only.")
 
 
 def local_state_dict(state: dict[str, Any], pipe: GPipe, prefix: str) -> dict[str, Any]:
@@ -79,7 +92,7 @@ def reassemble(pipe: GPipe) -> nn.Sequential:
     # every name of a shared tensor, so that each place of a tie gets filled (then `retie` joins them)
     own = {name: t.detach().cpu() for name, t in [*pipe.named_parameters(remove_duplicate=False),
                                                    *pipe.named_buffers(remove_duplicate=False)]}
-    parts = gather_objects(pipe, own, to_all=True)
+    parts = pipe.gather(own, to_all=True)
     values = {k: v for part in parts or [] for k, v in part.items()}
     full = pipe.full_sequential()
     local = {i for i, _ in pipe.local_layers()}

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpipe.engine import is_recomputing
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.checkpoint import is_recomputing
 
 __all__ = ["DeferredBatchNorm"]
 
@@ -46,8 +47,7 @@ class DeferredBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  chunks: int = 1, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True, device=device, dtype=dtype)
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"`chunks` must be a positive integer (micro-batches per mini-batch), got {chunks!r}.")
+        microbatch.check_chunks(chunks)
         self.chunks = chunks
         # The mini-batch so far: micro-batches and values seen, their mean and sum of squared deviations,
         # in float64 so that merging many micro-batches loses nothing. Buffers, so they follow the

@@ -8,54 +8,27 @@ gradient sent to the previous stage. Parameter gradients build up in place, as i
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import microbatch
-from lightning_gpipe.comm import Channels, Message, Tag
-from lightning_gpipe.lockstep import check_message
-from lightning_gpipe.replicas import GradientSync
-from lightning_gpipe.rng import isolated_rng, layer_seed, seed_layer
-from lightning_gpipe.schedule import checkpointed, fill_drain
-from lightning_gpipe.timer import Tracer, span
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.channels import Channels
+from lightning_gpipe.engine.messages import Message, Tag
+from lightning_gpipe.engine.lockstep import check_message
+from lightning_gpipe.engine.replicas import GradientSync
+from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
+from lightning_gpipe.engine.checkpoint import check_checkpoint_mode, checkpointed, recomputing
+from lightning_gpipe.engine.schedule import fill_drain
+from lightning_gpipe.engine.tracer import Tracer, span
 
-__all__ = ["StageRunner", "Tracer", "is_recomputing"]
+__all__ = ["StageRunner"]
 
-_local = threading.local()
 _EVAL_CALLS = 1 << 62  # evaluation calls key their random streams from here on
-
-
-def is_recomputing() -> bool:
-    """True while a checkpointed micro-batch is being recomputed for its backward.
-
-    A layer that changes state in its forward (a running statistic, a counter) checks this to change
-    it once per micro-batch, not twice. BatchNorm's running statistics are handled by the engine.
-    """
-    return getattr(_local, "recomputing", False)
-
-
-@contextmanager
-def _recomputing(stage: nn.Module) -> Iterator[None]:
-    # The recompute must not move BatchNorm's running statistics a second time: keep them aside.
-    norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
-    saved = [[b.clone() for b in m.buffers()] for m in norms]
-    _local.recomputing = True
-    try:
-        yield
-    finally:
-        _local.recomputing = False
-        with torch.no_grad():
-            for m, values in zip(norms, saved):
-                for b, v in zip(m.buffers(), values):
-                    # Through `.data`: BatchNorm's backward keeps the running statistics it was given, and a
-                    # restore that bumped their version would make autograd reject the recomputed graph.
-                    b.data.copy_(v)
 
 
 def _as_leaf(t: Tensor) -> Tensor:
@@ -86,9 +59,8 @@ class StageRunner:
 
     def __init__(self, layers: list[tuple[int, nn.Module]], stage: int, ranks: list[int],
                  channels: Optional[Channels], chunks: int, checkpoint: str, device: torch.device, seed: int) -> None:
-        checkpointed(checkpoint, 0, 1)  # validates the mode
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"`chunks` must be a positive integer (micro-batches per batch), got {chunks!r}.")
+        check_checkpoint_mode(checkpoint)
+        microbatch.check_chunks(chunks)
         if len(ranks) > 1 and channels is None:
             raise ValueError("A pipeline of several stages needs `channels` to talk over.")
         self.layers, self.stage, self.ranks = layers, stage, ranks
@@ -169,7 +141,7 @@ class StageRunner:
             ) from None
 
     def _recv(self, src: int, expected: Tag) -> Message:
-        """The next message from rank ``src``, which must be ``expected`` (see :mod:`lightning_gpipe.lockstep`)."""
+        """The next message from rank ``src``, which must be ``expected`` (see :mod:`lightning_gpipe.engine.lockstep`)."""
         assert self.channels is not None
         with self._span("wait", expected.micro):
             message = self.channels.recv(src)
@@ -278,7 +250,7 @@ class StageRunner:
     def _recompute(self, run: _Run, i: int) -> tuple[Tensor, ...]:
         """Rebuild micro-batch ``i``'s graph: same input, same random streams, same autocast as the forward."""
         autocast = torch.autocast(self.device.type, dtype=run.autocast[1], enabled=run.autocast[0])
-        with self._span("recompute", i), torch.enable_grad(), autocast, _recomputing(self._modules):
+        with self._span("recompute", i), torch.enable_grad(), autocast, recomputing(self._modules):
             y, _ = self._run_layers(run.inputs[i], run.call, i)
         return y
 

@@ -1,10 +1,15 @@
-"""Which global ranks form a pipeline and which hold replicas of the same stage; pure."""
+"""Which global ranks form a pipeline and which hold replicas of the same stage, and the mesh of their groups."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PipeLayout"]
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_gpipe.engine.distributed import backend_for
+
+__all__ = ["PipeLayout", "make_mesh"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +64,14 @@ class PipeLayout:
     def replicas(self, stage: int) -> list[int]:
         """The ranks that hold ``stage``, one per pipeline: the group its gradients are averaged over."""
         return [r * self.pipe_size + stage for r in range(self.num_replicas)]
+
+
+def make_mesh(layout: PipeLayout, device: torch.device) -> DeviceMesh:
+    """The 2-D mesh ``(dp, pp)``: row ``r`` is pipeline ``r``, column ``k`` is stage ``k`` of every replica.
+
+    Collective over all processes. Its groups use gloo for CPU tensors beside NCCL for CUDA ones, so
+    that small CPU collectives (object broadcasts, counts) work in GPU jobs too.
+    """
+    backend = backend_for(device)
+    return init_device_mesh(device.type, (layout.num_replicas, layout.pipe_size), mesh_dim_names=("dp", "pp"),
+                            backend_override={"dp": backend, "pp": backend})
