@@ -2,7 +2,7 @@
 
 Every benchmark measures ratios inside one run (a pipeline against one process, against a peer), so
 the figures survive a noisy, shared machine; the absolute times are printed beside them for context.
-Processes are started as torchrun would start them (see ``tests/_launch.py``), so one spawn of K
+Processes are started as torchrun would start them (see :mod:`lightning_gpipe.launch`), so one spawn of K
 processes can run many configurations, and Lightning inside them uses the TorchElastic environment
 instead of launching processes of its own.
 """
@@ -14,24 +14,22 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]  # this checkout; the launcher
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from _launch import run_processes  # noqa: E402  (tests/_launch.py: K processes with a torchrun environment)
-
-from lightning_gpipe import GPipe, balance, profile_layers  # noqa: E402
-from lightning_gpipe.models import amoebanetd  # noqa: E402
+from lightning_gpipe import GPipe, balance, profile_layers
+from lightning_gpipe.engine.distributed import default_backend
+from lightning_gpipe.launch import run_ok
+from lightning_gpipe.models import amoebanetd
 
 
 # -- workloads -----------------------------------------------------------------------------------------
@@ -121,17 +119,13 @@ def init_group(device: torch.device) -> None:
         kwargs: dict[str, Any] = {"timeout": timedelta(minutes=10)}
         if device.type == "cuda":
             kwargs["device_id"] = device
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **kwargs)
+        dist.init_process_group(default_backend(device), **kwargs)
 
 
 def launch(fn: Callable[..., Any], processes: int, *args: Any, threads: int = 1, timeout: float = 3000.0) -> list:
-    """``fn(rank, processes, *args)`` in ``processes`` fresh processes with ``threads`` threads each."""
-    outcome = run_processes(fn, processes, *args, timeout=timeout, threads=threads)
-    if any(code != 0 for code in outcome.exitcodes):
-        raise RuntimeError("a benchmark process failed:\n" + "\n".join(
-            f"--- rank {r} (exit {c}) ---\n{t or e}" for r, (c, e, t)
-            in enumerate(zip(outcome.exitcodes, outcome.errors, outcome.tracebacks))))
-    return outcome.results
+    """``fn(rank, processes, *args)`` in ``processes`` fresh processes with ``threads`` threads each (see
+    :mod:`lightning_gpipe.launch`); the per-rank results."""
+    return run_ok(fn, processes, *args, timeout=timeout, threads=threads)
 
 
 def synchronize(device: torch.device) -> None:

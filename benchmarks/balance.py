@@ -1,6 +1,6 @@
 """Benchmark: step time and stage balance of a 2-stage pipeline split uniformly, by parameters and by time.
 
-    PYTHONPATH=. python benchmarks/balance.py            # 2 processes (Lightning starts the second one)
+    python benchmarks/balance.py            # 2 processes (Lightning starts the second one)
 
 The backbone pairs convolutions on 32x32 feature maps (few parameters, much compute) with wide
 Linear layers (many parameters, little compute per sample): a convolution takes about ten times a
@@ -19,22 +19,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
-import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmark this checkout
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from lightning_gpipe import GPipeStrategy  # noqa: E402
-from lightning_gpipe.engine.partition import stage_costs  # noqa: E402
-from lightning_gpipe.monitor.timer import COMPUTE  # noqa: E402
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.engine.partition import stage_costs
+from lightning_gpipe.monitor.timer import COMPUTE, StageTimer
 
 WARMUP_STEPS = 3
 
@@ -64,39 +60,34 @@ class Net(L.LightningModule):
 
 
 class StageClock(L.Callback):
-    """Per step: the wall time; per stage: compute and wait time from the engine's tracer, gathered at the end."""
+    """Per step: the wall time; per stage: compute and wait time from a :class:`StageTimer`, gathered at the end."""
 
     def __init__(self) -> None:
         self.steps: list[float] = []
-        self.busy = {"compute": 0.0, "wait": 0.0}
         self.balance: list[int] = []
         self.stages: list[dict[str, float]] = []
-        self._measuring = False
-        self._start = 0.0
-
-    # the engine's tracer protocol (lightning_gpipe.monitor.timer.Tracer): a stamp at the start of a pass, the sum at its end
-    def start(self, kind: str) -> float:
-        return time.perf_counter()
-
-    def stop(self, kind: str, micro: int, token: float) -> None:
-        if self._measuring and (kind == "wait" or kind in COMPUTE):  # not "fill" and "drain", which hold the others
-            self.busy["wait" if kind == "wait" else "compute"] += time.perf_counter() - token
+        self._timer: StageTimer | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         pipe = trainer.strategy.pipe
         self.balance = list(pipe.balance)
-        pipe.tracer = self
+        self._timer = StageTimer(pipe.device)
+        pipe.tracer = self._timer
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._measuring = trainer.global_step >= WARMUP_STEPS
-        self._start = time.perf_counter()
+        if trainer.global_step >= WARMUP_STEPS:
+            self._timer.begin_step(trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._measuring:
-            self.steps.append(time.perf_counter() - self._start)
+        self._timer.end_step()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        per_step = {k: v / max(len(self.steps), 1) for k, v in self.busy.items()}
+        records = self._timer.collect(wait=True)
+        self.steps = [r.end - r.start for r in records]
+        totals = [r.totals() for r in records]
+        per_step = {"compute": sum(t[k] for t in totals for k in COMPUTE) / max(len(records), 1),
+                    "wait": sum(t["wait"] for t in totals) / max(len(records), 1)}
+        trainer.strategy.pipe.tracer = None
         self.stages = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(self.stages, per_step)
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import pytest
 
 import _sweeps
-from _launch import run_ok
+from lightning_gpipe.launch import run_ok
 
 
 @pytest.fixture(scope="session")

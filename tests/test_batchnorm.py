@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import _batchnorm_workers as W
-from _launch import run_ok
+from lightning_gpipe.launch import run_ok
 from lightning_gpipe import DeferredBatchNorm, GPipe
 
 

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 
 import _models as M
-from _launch import run_ok
+from lightning_gpipe.launch import run_ok
 from _monitor_workers import monitored_fit
 from lightning_gpipe import PipelineMonitor
 from lightning_gpipe.engine.schedule import bubble_fraction

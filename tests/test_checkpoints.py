@@ -9,7 +9,7 @@ import torch
 
 import _models as M
 import _resume as R
-from _launch import run_ok, run_processes
+from lightning_gpipe.launch import run_ok, run_processes
 from lightning_gpipe.checkpointing.files import consolidate
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import _models as M
 import _sweeps
-from _launch import run_ok
+from lightning_gpipe.launch import run_ok
 from lightning_gpipe import GPipe, PipelineMonitor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _engine_workers import plain_pipeline, reference
-from _launch import run_ok
+from lightning_gpipe.launch import run_ok
 from lightning_gpipe import GPipe
 
 

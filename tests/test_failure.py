@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import _sweeps
-from _launch import run_processes
+from lightning_gpipe.launch import run_processes
 
 
 @pytest.mark.parametrize("stages, failing", [(2, 1), (3, 0), (3, 1), (3, 2)])

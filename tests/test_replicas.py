@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import _replicas as R
-from _launch import run_ok
+from lightning_gpipe.launch import run_ok
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from torch import nn
 
 import _models as M
 import _tied as T
-from _launch import run_ok, run_processes
+from lightning_gpipe.launch import run_ok, run_processes
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.checkpointing.optim_state import layout
 from lightning_gpipe.engine.tied import find_ties, refuse_ties_outside

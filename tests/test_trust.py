@@ -21,7 +21,7 @@ from torch import nn
 
 import _models as M
 import _trust_workers as W
-from _launch import run_processes
+from lightning_gpipe.launch import run_processes
 from _scripts import LAUNCH_VARIABLES, ROOT
 from lightning_gpipe import GPipe, GPipeStrategy
 
@@ -62,13 +62,12 @@ def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_wit
     # Lightning's popen launcher re-runs the script per rank and kills every rank once one dies
     script = tmp_path / "failing.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
-        sys.path[:0] = [{os.path.join(ROOT, 'tests')!r}, {ROOT!r}]
         import _trust_workers as W
         if __name__ == "__main__":
             W.failing_stage_with_on_exception_checkpoint(0, 2, {str(tmp_path / 'ckpt' / 'on-exception.ckpt')!r})
     """))
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])  # the workers
     start = time.monotonic()
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=120)

@@ -2,8 +2,19 @@
 
 Each worker gets the environment of a torchrun launch (RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID...), so
 Lightning uses its TorchElastic cluster environment and does not launch processes of its own: one
-spawn of K processes can run many ``Trainer.fit`` calls, which keeps the suite fast (``import torch``
-costs seconds per process). Results travel as ``torch.save`` files.
+spawn of K processes can run many ``Trainer.fit`` calls, which keeps the tests fast (``import torch``
+costs seconds per process). Results travel as ``torch.save`` files. The tests, the benchmarks and
+plain-PyTorch users of the engine (``GPipe`` needs one process per stage) share this launcher;
+for jobs, use torchrun or Lightning's own launchers.
+
+Example::
+
+    def work(rank, world_size):
+        dist.init_process_group("gloo")          # reads the torchrun environment set here
+        pipe = GPipe(nn.Sequential(...), chunks=4)
+        return pipe(x).sum().item()
+
+    results = run_ok(work, 2)                    # one result per rank
 """
 
 from __future__ import annotations
@@ -20,8 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+__all__ = ["Outcome", "WorkerFailed", "free_port", "run_ok", "run_processes"]
+
 
 def free_port() -> int:
+    """A TCP port on the loopback that was free a moment ago (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -99,11 +113,15 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         return Outcome(exitcodes, results, errors, tracebacks, seconds, ended)
 
 
-def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
-    """Like :func:`run_processes`, but every rank must succeed; returns the per-rank results."""
-    outcome = run_processes(fn, world_size, *args, timeout=timeout)
+class WorkerFailed(RuntimeError):
+    """A rank of :func:`run_ok` failed; the message holds every rank's exit code and traceback."""
+
+
+def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, threads: int = 1) -> list[Any]:
+    """Like :func:`run_processes`, but every rank must succeed (else :class:`WorkerFailed`); the per-rank results."""
+    outcome = run_processes(fn, world_size, *args, timeout=timeout, threads=threads)
     if any(code != 0 for code in outcome.exitcodes):
         details = "\n".join(f"--- rank {r} (exit {c}) ---\n{t or e or 'no error recorded'}"
                             for r, (c, e, t) in enumerate(zip(outcome.exitcodes, outcome.errors, outcome.tracebacks)))
-        raise AssertionError(f"a worker failed after {outcome.seconds:.1f}s:\n{details}")
+        raise WorkerFailed(f"a worker failed after {outcome.seconds:.1f}s:\n{details}")
     return outcome.results
