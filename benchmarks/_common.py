@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -31,8 +29,10 @@ from lightning_gpipe.engine.distributed import default_backend
 from lightning_gpipe.launch import run_ok
 from lightning_gpipe.models import amoebanetd
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -- workloads -----------------------------------------------------------------------------------------
+
 
 class MeanPoolClassifier(nn.Module):
     """Mean over the sequence, then logits: the last layer of the Transformer stack."""
@@ -60,17 +60,25 @@ CLASSES = 10
 
 def amoebanet_workload(layers: int = 6, filters: int = 32, image: int = 32) -> Workload:
     """AmoebaNet-D (L, D) with the small stem on ``image``-pixel RGB images: activation-heavy convolutions."""
+
     def batch(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
         g = torch.Generator().manual_seed(n)
-        return (torch.randn(n, 3, image, image, generator=g).to(device),
-                torch.randint(0, CLASSES, (n,), generator=g).to(device))
+        return (
+            torch.randn(n, 3, image, image, generator=g).to(device),
+            torch.randint(0, CLASSES, (n,), generator=g).to(device),
+        )
 
-    return Workload("amoebanet", f"AmoebaNet-D ({layers}, {filters}), {image}x{image} images",
-                    lambda: amoebanetd(CLASSES, layers, filters, stem="small"), batch)
+    return Workload(
+        "amoebanet",
+        f"AmoebaNet-D ({layers}, {filters}), {image}x{image} images",
+        lambda: amoebanetd(CLASSES, layers, filters, stem="small"),
+        batch,
+    )
 
 
 def transformer_workload(blocks: int = 8, width: int = 128, heads: int = 4, sequence: int = 32) -> Workload:
     """A stack of pre-norm Transformer encoder blocks on ``sequence`` tokens, then a mean-pool classifier."""
+
     def build() -> nn.Sequential:
         layers: list[nn.Module] = [
             nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
@@ -80,17 +88,22 @@ def transformer_workload(blocks: int = 8, width: int = 128, heads: int = 4, sequ
 
     def batch(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
         g = torch.Generator().manual_seed(n)
-        return (torch.randn(n, sequence, width, generator=g).to(device),
-                torch.randint(0, CLASSES, (n,), generator=g).to(device))
+        return (
+            torch.randn(n, sequence, width, generator=g).to(device),
+            torch.randint(0, CLASSES, (n,), generator=g).to(device),
+        )
 
-    return Workload("transformer", f"{blocks} Transformer blocks, width {width}, {heads} heads, {sequence} tokens",
-                    build, batch)
+    return Workload(
+        "transformer", f"{blocks} Transformer blocks, width {width}, {heads} heads, {sequence} tokens", build, batch
+    )
 
 
 def workloads(names: Sequence[str], args: argparse.Namespace) -> list[Workload]:
     """The workloads named, at the sizes given by the common arguments."""
-    made = {"amoebanet": lambda: amoebanet_workload(args.amoebanet_layers, args.amoebanet_filters, args.image),
-            "transformer": lambda: transformer_workload(args.blocks, args.width, sequence=args.sequence)}
+    made = {
+        "amoebanet": lambda: amoebanet_workload(args.amoebanet_layers, args.amoebanet_filters, args.image),
+        "transformer": lambda: transformer_workload(args.blocks, args.width, sequence=args.sequence),
+    }
     return [made[n]() for n in names]
 
 
@@ -104,6 +117,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- processes, devices, timing ------------------------------------------------------------------------
+
 
 def device_for(rank: int, kind: str) -> torch.device:
     """This rank's device: its own GPU with ``kind == "cuda"``, else the CPU."""
@@ -162,8 +176,9 @@ def slowest_rank(seconds: float) -> float:
     return max(s for s in every if s is not None)
 
 
-def pipeline_balance(workload: Workload, stages: int, micro_batch: int, device: torch.device,
-                     cost: str = "time") -> list[int]:
+def pipeline_balance(
+    workload: Workload, stages: int, micro_batch: int, device: torch.device, cost: str = "time"
+) -> list[int]:
     """The split by measured ``cost`` (as ``balance="time"`` or ``"memory"``), profiled on rank 0 and broadcast."""
     if stages == 1:
         return [len(workload.build())]
@@ -180,9 +195,15 @@ def sgd(parameters: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.01)
 
 
-def gpipe_step(workload: Workload, chunks: int, checkpoint: str, batch_size: int, device: torch.device,
-               split: list[int], make_optimizer: Callable[[Any], torch.optim.Optimizer] = sgd,
-               ) -> tuple[GPipe, Callable[[], None]]:
+def gpipe_step(
+    workload: Workload,
+    chunks: int,
+    checkpoint: str,
+    batch_size: int,
+    device: torch.device,
+    split: list[int],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] = sgd,
+) -> tuple[GPipe, Callable[[], None]]:
     """A ``GPipe`` of the workload and one training step of it (the bare engine, no Lightning); SGD by default."""
     torch.manual_seed(0)
     pipe = GPipe(workload.build(), split, chunks=chunks, checkpoint=checkpoint, device=device)
@@ -199,6 +220,7 @@ def gpipe_step(workload: Workload, chunks: int, checkpoint: str, batch_size: int
 
 # -- reporting -----------------------------------------------------------------------------------------
 
+
 def machine(device: str) -> dict[str, Any]:
     """What the figures were measured on."""
     cpu = platform.processor() or platform.machine()
@@ -207,8 +229,13 @@ def machine(device: str) -> dict[str, Any]:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-                            "torch": torch.__version__, "device": device}
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+    }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()
@@ -223,8 +250,9 @@ def machine(device: str) -> dict[str, Any]:
 
 def describe_machine(info: dict[str, Any]) -> str:
     gpu = f", {info['gpus']} x {info['gpu']}" if "gpu" in info else ""
-    return (f"{info['cores']} cores ({info['cpu']}){gpu}; Python {info['python']}, torch {info['torch']}"
-            + (f", Lightning {info['lightning']}" if "lightning" in info else ""))
+    return f"{info['cores']} cores ({info['cpu']}){gpu}; Python {info['python']}, torch {info['torch']}" + (
+        f", Lightning {info['lightning']}" if "lightning" in info else ""
+    )
 
 
 def markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -252,8 +280,10 @@ def default_device() -> str:
 
 # -- through the Trainer -------------------------------------------------------------------------------
 
-def lightning_step_seconds(workload: Workload, strategy: Any, devices: int, batch_size: int, device: torch.device,
-                           warmup: int, steps: int) -> float:
+
+def lightning_step_seconds(
+    workload: Workload, strategy: Any, devices: int, batch_size: int, device: torch.device, warmup: int, steps: int
+) -> float:
     """Median step time of ``Trainer.fit`` on the workload: what a Lightning user's step costs.
 
     The loader yields ready-made batches (``batch_size=None``), so the time is the Trainer's and the
@@ -297,12 +327,21 @@ def lightning_step_seconds(workload: Workload, strategy: Any, devices: int, batc
     local = batch_size if pipelined or devices == 1 else batch_size // devices
     x, y = workload.batch(batch_size, torch.device("cpu"))
     rank = dist.get_rank() if dist.is_initialized() and not pipelined else 0
-    shard = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
+    shard = (x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local])
     torch.manual_seed(0)
     clock = Clock()
-    trainer = L.Trainer(strategy=strategy, accelerator=device.type, devices=devices, max_steps=warmup + steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, callbacks=[clock])
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator=device.type,
+        devices=devices,
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[clock],
+    )
     trainer.fit(Net(), DataLoader([shard] * (warmup + steps), batch_size=None))
     times = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])][warmup:]
     return slowest_rank(statistics.median(times))

@@ -38,7 +38,7 @@ import _common as C
 import torch
 import torch.distributed as dist
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def adam(parameters: Any) -> torch.optim.Optimizer:
@@ -76,8 +76,15 @@ def peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _status("VmHWM")
 
 
-def stage_peak(workload: C.Workload, chunks: int, checkpoint: str, batch_size: int, device: torch.device,
-               split: list[int], steps: int = 2) -> dict[str, int]:
+def stage_peak(
+    workload: C.Workload,
+    chunks: int,
+    checkpoint: str,
+    batch_size: int,
+    device: torch.device,
+    split: list[int],
+    steps: int = 2,
+) -> dict[str, int]:
     """This stage's peak bytes over ``steps`` training steps (Adam), above what the process held before."""
     _release()
     before = resident(device)
@@ -98,8 +105,11 @@ def worst_stage(measured: dict[str, int]) -> dict[str, Any]:
     """Over every rank: the largest peak, and the parameters of the whole model."""
     every: list[Optional[dict[str, int]]] = [None] * dist.get_world_size()
     dist.all_gather_object(every, measured)
-    return {"peak": max(m["peak"] for m in every), "peaks": [m["peak"] for m in every],
-            "params": sum(m["params"] for m in every)}
+    return {
+        "peak": max(m["peak"] for m in every),
+        "peaks": [m["peak"] for m in every],
+        "params": sum(m["params"] for m in every),
+    }
 
 
 def by_mode_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -141,9 +151,15 @@ def largest_worker(rank: int, world: int, args: argparse.Namespace, chunks: int,
     while not attempt(layers)["fits"] and layers > 3:  # ... and down to the last size that fits
         layers -= 3
     best = attempt(layers)
-    return {"stages": world, "chunks": chunks, "checkpoint": checkpoint, "filters": args.largest_filters,
-            "best": best if best["fits"] else None, "next": tried.get(layers + 3),
-            "tried": sorted(tried.values(), key=lambda t: t["layers"])}
+    return {
+        "stages": world,
+        "chunks": chunks,
+        "checkpoint": checkpoint,
+        "filters": args.largest_filters,
+        "best": best if best["fits"] else None,
+        "next": tried.get(layers + 3),
+        "tried": sorted(tried.values(), key=lambda t: t["layers"]),
+    }
 
 
 def main() -> None:
@@ -171,15 +187,30 @@ def main() -> None:
 
     info = C.machine(args.device)
     where = "GPU max allocated" if args.device == "cuda" else "peak resident set above the process baseline"
-    print(f"\nPeak memory per stage ({where}), AmoebaNet-D ({args.amoebanet_layers}, {args.amoebanet_filters}), "
-          f"{args.image}x{args.image}, batch {args.batch_size}, M={args.chunks}, Adam\n{C.describe_machine(info)}\n")
+    print(
+        f"\nPeak memory per stage ({where}), AmoebaNet-D ({args.amoebanet_layers}, {args.amoebanet_filters}), "
+        f"{args.image}x{args.image}, batch {args.batch_size}, M={args.chunks}, Adam\n{C.describe_machine(info)}\n"
+    )
     never = {r["stages"]: r["peak"] for r in by_mode if r["checkpoint"] == "never"}
-    print(C.markdown(["K", "checkpoint", "largest stage MiB", "every stage MiB", "vs never"],
-                     [[r["stages"], r["checkpoint"], f"{r['peak'] / MIB:.1f}",
-                       " / ".join(f"{p / MIB:.1f}" for p in r["peaks"]), f"{r['peak'] / never[r['stages']]:.2f}"]
-                      for r in by_mode]))
-    print(f"\nThe largest AmoebaNet-D (L, {args.largest_filters}) that trains under {args.cap_mib:.0f} MiB per process "
-          f"({args.largest_image}x{args.largest_image}, batch {args.largest_batch}, Adam)\n")
+    print(
+        C.markdown(
+            ["K", "checkpoint", "largest stage MiB", "every stage MiB", "vs never"],
+            [
+                [
+                    r["stages"],
+                    r["checkpoint"],
+                    f"{r['peak'] / MIB:.1f}",
+                    " / ".join(f"{p / MIB:.1f}" for p in r["peaks"]),
+                    f"{r['peak'] / never[r['stages']]:.2f}",
+                ]
+                for r in by_mode
+            ],
+        )
+    )
+    print(
+        f"\nThe largest AmoebaNet-D (L, {args.largest_filters}) that trains under {args.cap_mib:.0f} MiB per process "
+        f"({args.largest_image}x{args.largest_image}, batch {args.largest_batch}, Adam)\n"
+    )
     rows = []
     naive = largest[0]["best"]
     for row in largest:
@@ -188,11 +219,23 @@ def main() -> None:
         if best is None:
             rows.append([name, row["stages"], row["chunks"], row["checkpoint"], "none fits", "", "", ""])
             continue
-        rows.append([name, row["stages"], row["chunks"], row["checkpoint"], best["layers"],
-                     f"{best['params'] / 1e6:.2f}M", f"{best['peak'] / MIB:.0f}",
-                     f"{best['params'] / naive['params']:.2f}x" if naive else ""])
-    print(C.markdown(["", "K", "M", "checkpoint", "largest L", "parameters", "largest stage MiB",
-                      "parameters / naive-1"], rows))
+        rows.append(
+            [
+                name,
+                row["stages"],
+                row["chunks"],
+                row["checkpoint"],
+                best["layers"],
+                f"{best['params'] / 1e6:.2f}M",
+                f"{best['peak'] / MIB:.0f}",
+                f"{best['params'] / naive['params']:.2f}x" if naive else "",
+            ]
+        )
+    print(
+        C.markdown(
+            ["", "K", "M", "checkpoint", "largest L", "parameters", "largest stage MiB", "parameters / naive-1"], rows
+        )
+    )
     print("\nL: normal cells (a multiple of 3); the next size up (L+3) exceeded the cap or the search limit.")
     C.write_json(args.out, {"machine": info, "args": vars(args), "by_mode": by_mode, "largest": largest})
 

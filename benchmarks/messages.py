@@ -34,9 +34,9 @@ def _round_trips(send, recv, iterations: int, warmup: int = 20) -> list[float]:
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from lightning_gpipe.engine.channels import Channels
-    from lightning_gpipe.engine.messages import Tag
     from lightning_gpipe.engine.failure import FailureBoard
     from lightning_gpipe.engine.lockstep import check_message
+    from lightning_gpipe.engine.messages import Tag
     from lightning_gpipe.engine.topology import PipeLayout
 
     device = torch.device("cpu")
@@ -72,8 +72,15 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             engine = _round_trips(engine_recv, engine_send, args.iterations)
         channels.flush()
         plain_s, engine_s = statistics.median(plain) / 2, statistics.median(engine) / 2
-        rows.append({"bytes": size, "plain_s": plain_s, "engine_s": engine_s, "overhead_s": engine_s - plain_s,
-                     "ratio": engine_s / plain_s})
+        rows.append(
+            {
+                "bytes": size,
+                "plain_s": plain_s,
+                "engine_s": engine_s,
+                "overhead_s": engine_s - plain_s,
+                "ratio": engine_s / plain_s,
+            }
+        )
     channels.close()
     dist.destroy_process_group()
     return rows
@@ -81,19 +88,34 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 16 * 2**10, 256 * 2**10, 4 * 2**20],
-                        help="message sizes in bytes")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[256, 16 * 2**10, 256 * 2**10, 4 * 2**20], help="message sizes in bytes"
+    )
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--out", default=C.default_out("messages"))
     args = parser.parse_args()
 
     rows = C.launch(worker, 2, args)[0]
     info = C.machine("cpu")
-    print(f"\nOne message between two processes (gloo, CPU), half the median of {args.iterations} round trips\n"
-          f"{C.describe_machine(info)}\n")
-    print(C.markdown(["bytes", "plain send/recv us", "engine us", "engine overhead us", "engine / plain"],
-                     [[r["bytes"], f"{1e6 * r['plain_s']:.0f}", f"{1e6 * r['engine_s']:.0f}",
-                       f"{1e6 * r['overhead_s']:+.0f}", f"{r['ratio']:.2f}"] for r in rows]))
+    print(
+        f"\nOne message between two processes (gloo, CPU), half the median of {args.iterations} round trips\n"
+        f"{C.describe_machine(info)}\n"
+    )
+    print(
+        C.markdown(
+            ["bytes", "plain send/recv us", "engine us", "engine overhead us", "engine / plain"],
+            [
+                [
+                    r["bytes"],
+                    f"{1e6 * r['plain_s']:.0f}",
+                    f"{1e6 * r['engine_s']:.0f}",
+                    f"{1e6 * r['overhead_s']:+.0f}",
+                    f"{r['ratio']:.2f}",
+                ]
+                for r in rows
+            ],
+        )
+    )
     C.write_json(args.out, {"machine": info, "args": vars(args), "rows": rows})
 
 

@@ -48,9 +48,17 @@ class Net(L.LightningModule):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.backbone = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2), nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
             nn.Linear(2 * width * 16, 10),
         )
 
@@ -100,6 +108,7 @@ class TimedMonitor(PipelineMonitor):
             finally:
                 self.seconds[bucket] += time.perf_counter() - start
                 self.seconds[bucket + "_cpu"] += time.thread_time() - cpu
+
         return wrapper
 
     def on_fit_start(self, trainer, pl_module) -> None:  # wrapped in __init__, like the other hooks
@@ -111,23 +120,36 @@ class TimedMonitor(PipelineMonitor):
 
 def fit(args, monitored: bool, log_every: int) -> dict:
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(args.batch_size * args.steps, 3, 16, 16),
-                         torch.randint(0, 10, (args.batch_size * args.steps,)))
+    data = TensorDataset(
+        torch.randn(args.batch_size * args.steps, 3, 16, 16), torch.randint(0, 10, (args.batch_size * args.steps,))
+    )
     clock = StepClock()
     monitor = TimedMonitor(trace_steps=[2], dirpath=args.trace_dir) if monitored else None
     trainer = L.Trainer(
-        strategy=GPipeStrategy(chunks=args.chunks), accelerator="cpu", devices=args.devices, max_epochs=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        log_every_n_steps=log_every, callbacks=[clock] + ([monitor] if monitor else []),
+        strategy=GPipeStrategy(chunks=args.chunks),
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=log_every,
+        callbacks=[clock] + ([monitor] if monitor else []),
     )
     trainer.fit(Net(args.width), DataLoader(data, batch_size=args.batch_size))
     durations = [b - a for a, b in zip(clock.starts, clock.starts[1:])]
-    steps = durations[args.warmup:]
+    steps = durations[args.warmup :]
     seconds = monitor.seconds if monitor else {}
     total = sum(durations)
-    return {"mean_step_s": statistics.fmean(steps), "median_step_s": statistics.median(steps), "steps": len(steps),
-            "self_wall_fraction": seconds.get("per_step", 0.0) / total,
-            "self_cpu_fraction": seconds.get("per_step_cpu", 0.0) / total, "one_off_s": seconds.get("one_off", 0.0)}
+    return {
+        "mean_step_s": statistics.fmean(steps),
+        "median_step_s": statistics.median(steps),
+        "steps": len(steps),
+        "self_wall_fraction": seconds.get("per_step", 0.0) / total,
+        "self_cpu_fraction": seconds.get("per_step_cpu", 0.0) / total,
+        "one_off_s": seconds.get("one_off", 0.0),
+    }
 
 
 def main() -> None:
@@ -139,8 +161,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "monitor_overhead.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "monitor_overhead.json")
+    )
     parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "lightning_gpipe_traces"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -148,7 +171,7 @@ def main() -> None:
     for log_every in (50, 1):  # Lightning's default cadence, and a gather every step (the worst case)
         runs: dict[str, list[dict]] = {"plain": [], "monitor": []}
         for repeat in range(args.repeats):  # ABBA order, so that warming up favours neither
-            for monitored in ((False, True) if repeat % 2 == 0 else (True, False)):
+            for monitored in (False, True) if repeat % 2 == 0 else (True, False):
                 runs["monitor" if monitored else "plain"].append(fit(args, monitored, log_every))
         plain = statistics.median(r["mean_step_s"] for r in runs["plain"])
         watched = statistics.median(r["mean_step_s"] for r in runs["monitor"])
@@ -157,30 +180,45 @@ def main() -> None:
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, own)
             own = [max(column) for column in zip(*every)]
-        results.append({"log_every_n_steps": log_every, "plain_step_ms": plain * 1e3,
-                        "monitor_step_ms": watched * 1e3, "ab_overhead": watched / plain - 1,
-                        "self_cpu_fraction": statistics.median(c for c, _, _ in own),
-                        "self_wall_fraction": statistics.median(w for _, w, _ in own),
-                        "one_off_s": statistics.median(s for _, _, s in own), "runs": runs})
+        results.append(
+            {
+                "log_every_n_steps": log_every,
+                "plain_step_ms": plain * 1e3,
+                "monitor_step_ms": watched * 1e3,
+                "ab_overhead": watched / plain - 1,
+                "self_cpu_fraction": statistics.median(c for c, _, _ in own),
+                "self_wall_fraction": statistics.median(w for _, w, _ in own),
+                "one_off_s": statistics.median(s for _, _, s in own),
+                "runs": runs,
+            }
+        )
     if not dist.is_initialized() or dist.get_rank() == 0:
         report(args, results)
 
 
 def report(args, results: list[dict]) -> None:
     """Rank 0: the markdown table and the JSON file."""
-    setup = (f"K={args.devices} stages, M={args.chunks} micro-batches, CNN width {args.width}, batch "
-             f"{args.batch_size}, {args.steps} steps ({args.warmup} warm-up), {args.repeats} repeats, 1 thread/process")
+    setup = (
+        f"K={args.devices} stages, M={args.chunks} micro-batches, CNN width {args.width}, batch "
+        f"{args.batch_size}, {args.steps} steps ({args.warmup} warm-up), {args.repeats} repeats, 1 thread/process"
+    )
     print(f"\nPipelineMonitor overhead ({setup})\n")
-    print("| log_every_n_steps | step ms without | step ms with | A/B overhead | self CPU / step time "
-          "| self wall / step time | end-of-fit s |")
+    print(
+        "| log_every_n_steps | step ms without | step ms with | A/B overhead | self CPU / step time "
+        "| self wall / step time | end-of-fit s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['log_every_n_steps']} | {r['plain_step_ms']:.1f} | {r['monitor_step_ms']:.1f} | "
-              f"{100 * r['ab_overhead']:+.1f}% | {100 * r['self_cpu_fraction']:.2f}% | "
-              f"{100 * r['self_wall_fraction']:.2f}% | {r['one_off_s']:.2f} |")
-    print("\nself CPU: thread CPU time in the monitor's per-batch hooks and tracer calls (the slowest stage); self wall:"
-          "\nthe same in wall time, which adds preemption on a shared machine and, when gathering, the wait for the"
-          "\nslowest stage at the gather (a wait the next step's receive absorbs otherwise; compare A/B).")
+        print(
+            f"| {r['log_every_n_steps']} | {r['plain_step_ms']:.1f} | {r['monitor_step_ms']:.1f} | "
+            f"{100 * r['ab_overhead']:+.1f}% | {100 * r['self_cpu_fraction']:.2f}% | "
+            f"{100 * r['self_wall_fraction']:.2f}% | {r['one_off_s']:.2f} |"
+        )
+    print(
+        "\nself CPU: thread CPU time in the monitor's per-batch hooks and tracer calls (the slowest stage); self wall:"
+        "\nthe same in wall time, which adds preemption on a shared machine and, when gathering, the wait for the"
+        "\nslowest stage at the gather (a wait the next step's receive absorbs otherwise; compare A/B)."
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"setup": setup, "args": vars(args), "results": results}, f, indent=2)

@@ -22,9 +22,8 @@ import argparse
 import statistics
 import time
 
-import torch
-
 import _common as C
+import torch
 
 
 def _median_seconds(fn, repeats: int = 50) -> float:
@@ -38,12 +37,12 @@ def _median_seconds(fn, repeats: int = 50) -> float:
 
 def check_seconds(workload: C.Workload, batch_size: int, chunks: int, device: torch.device) -> dict[str, float]:
     """What the lock-step checks and the batch fingerprint cost per step on one rank, in seconds."""
-    from lightning_gpipe.engine.messages import Message, Tag, decode, encode
     from lightning_gpipe.engine.lockstep import check_message
+    from lightning_gpipe.engine.messages import Message, Tag, decode, encode
     from lightning_gpipe.engine.microbatch import fingerprint
 
     x, y = workload.batch(batch_size, device)
-    micro = x[:max(1, batch_size // chunks)]
+    micro = x[: max(1, batch_size // chunks)]
     tag = Tag("forward", 12, 3, "training_step", fingerprint((x, y)))
 
     def message() -> None:
@@ -52,8 +51,12 @@ def check_seconds(workload: C.Workload, batch_size: int, chunks: int, device: to
 
     per_message, per_batch = _median_seconds(message), _median_seconds(lambda: fingerprint((x, y)))
     messages = 2 * chunks + 2
-    return {"fingerprint_s": per_batch, "message_s": per_message, "messages": messages,
-            "checks_s": per_batch + messages * per_message}
+    return {
+        "fingerprint_s": per_batch,
+        "message_s": per_message,
+        "messages": messages,
+        "checks_s": per_batch + messages * per_message,
+    }
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -75,17 +78,27 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
         def trainer() -> float:
             strategy = GPipeStrategy(balance=split, chunks=args.chunks, checkpoint=args.checkpoint)
-            return C.lightning_step_seconds(workload, strategy, world, args.batch_size, device, args.warmup,
-                                            args.steps)
+            return C.lightning_step_seconds(workload, strategy, world, args.batch_size, device, args.warmup, args.steps)
 
         for repeat in range(args.repeats):
-            for side in (("engine", "trainer") if repeat % 2 == 0 else ("trainer", "engine")):
+            for side in ("engine", "trainer") if repeat % 2 == 0 else ("trainer", "engine"):
                 times[side].append((engine if side == "engine" else trainer)())
         engine_s, trainer_s = statistics.median(times["engine"]), statistics.median(times["trainer"])
         checks = check_seconds(workload, args.batch_size, args.chunks, device)
-        rows.append({"model": workload.name, "describe": workload.describe, "stages": world, "chunks": args.chunks,
-                     "engine_step_s": engine_s, "trainer_step_s": trainer_s, "overhead": trainer_s / engine_s - 1,
-                     "runs": times, **checks, "checks_share": checks["checks_s"] / engine_s})
+        rows.append(
+            {
+                "model": workload.name,
+                "describe": workload.describe,
+                "stages": world,
+                "chunks": args.chunks,
+                "engine_step_s": engine_s,
+                "trainer_step_s": trainer_s,
+                "overhead": trainer_s / engine_s - 1,
+                "runs": times,
+                **checks,
+                "checks_share": checks["checks_s"] / engine_s,
+            }
+        )
     return rows
 
 
@@ -95,8 +108,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
-    parser.add_argument("--models", nargs="+", default=["amoebanet", "transformer"],
-                        choices=["amoebanet", "transformer"])
+    parser.add_argument(
+        "--models", nargs="+", default=["amoebanet", "transformer"], choices=["amoebanet", "transformer"]
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
@@ -107,18 +121,44 @@ def main() -> None:
 
     rows = C.launch(worker, args.stages, args)[0]
     info = C.machine(args.device)
-    print(f"\nTrainer over bare engine at K={args.stages}, M={args.chunks}, checkpoint={args.checkpoint!r}, batch "
-          f"{args.batch_size}, {args.device}, median of {args.repeats} fits of {args.steps} steps each\n"
-          f"{C.describe_machine(info)}\n")
-    print(C.markdown(["model", "engine step ms", "Trainer step ms", "overhead", "Trainer runs ms", "engine runs ms"],
-                     [[r["describe"], f"{1e3 * r['engine_step_s']:.1f}", f"{1e3 * r['trainer_step_s']:.1f}",
-                       f"{100 * r['overhead']:+.1f}%", " ".join(f"{1e3 * t:.0f}" for t in r["runs"]["trainer"]),
-                       " ".join(f"{1e3 * t:.0f}" for t in r["runs"]["engine"])] for r in rows]))
+    print(
+        f"\nTrainer over bare engine at K={args.stages}, M={args.chunks}, checkpoint={args.checkpoint!r}, batch "
+        f"{args.batch_size}, {args.device}, median of {args.repeats} fits of {args.steps} steps each\n"
+        f"{C.describe_machine(info)}\n"
+    )
+    print(
+        C.markdown(
+            ["model", "engine step ms", "Trainer step ms", "overhead", "Trainer runs ms", "engine runs ms"],
+            [
+                [
+                    r["describe"],
+                    f"{1e3 * r['engine_step_s']:.1f}",
+                    f"{1e3 * r['trainer_step_s']:.1f}",
+                    f"{100 * r['overhead']:+.1f}%",
+                    " ".join(f"{1e3 * t:.0f}" for t in r["runs"]["trainer"]),
+                    " ".join(f"{1e3 * t:.0f}" for t in r["runs"]["engine"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
     print("\nTrust checks per step on one rank: the batch fingerprint, and the tag of each message it handles\n")
-    print(C.markdown(["model", "fingerprint ms", "tag per message us", "messages", "checks ms", "share of step"],
-                     [[r["describe"], f"{1e3 * r['fingerprint_s']:.3f}", f"{1e6 * r['message_s']:.1f}",
-                       r["messages"], f"{1e3 * r['checks_s']:.3f}", f"{100 * r['checks_share']:.2f}%"]
-                      for r in rows]))
+    print(
+        C.markdown(
+            ["model", "fingerprint ms", "tag per message us", "messages", "checks ms", "share of step"],
+            [
+                [
+                    r["describe"],
+                    f"{1e3 * r['fingerprint_s']:.3f}",
+                    f"{1e6 * r['message_s']:.1f}",
+                    r["messages"],
+                    f"{1e3 * r['checks_s']:.3f}",
+                    f"{100 * r['checks_share']:.2f}%",
+                ]
+                for r in rows
+            ],
+        )
+    )
     C.write_json(args.out, {"machine": info, "args": vars(args), "rows": rows})
 
 

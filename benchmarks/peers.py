@@ -40,18 +40,26 @@ class Unpacked(nn.Module):
         return self.layers(args[0] if len(args) == 1 else args)
 
 
-def pipelining_step(workload: C.Workload, schedule: str, stages: int, chunks: int, batch_size: int,
-                    device: torch.device, split: list[int]) -> Callable[[], None]:
+def pipelining_step(
+    workload: C.Workload,
+    schedule: str,
+    stages: int,
+    chunks: int,
+    batch_size: int,
+    device: torch.device,
+    split: list[int],
+) -> Callable[[], None]:
     """One training step of the same split under ``torch.distributed.pipelining``."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.manual_seed(0)
     rank = dist.get_rank()
     start = sum(split[:rank])
-    module = Unpacked(nn.Sequential(*list(workload.build())[start:start + split[rank]])).to(device)
+    module = Unpacked(nn.Sequential(*list(workload.build())[start : start + split[rank]])).to(device)
     stage = PipelineStage(module, rank, stages, device)
     runner = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[schedule](
-        stage, n_microbatches=chunks, loss_fn=F.cross_entropy)
+        stage, n_microbatches=chunks, loss_fn=F.cross_entropy
+    )
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     x, y = workload.batch(batch_size, device)
 
@@ -94,28 +102,63 @@ def pipeline_worker(rank: int, world: int, args: argparse.Namespace, round_: int
         split = C.pipeline_balance(workload, world, max(1, args.batch_size // args.chunks), device)
         variants: list[tuple[str, Callable[[], float]]] = []
         for mode in ("never", "except_last"):
+
             def engine(mode: str = mode) -> float:
                 pipe, step = C.gpipe_step(workload, args.chunks, mode, args.batch_size, device, split)
                 try:
                     return C.step_seconds(step, device, args.warmup, args.steps)
                 finally:
                     pipe.close()
+
             variants.append((f"gpipe engine, checkpoint={mode}", engine))
-        variants.append(("gpipe Trainer, checkpoint=except_last", lambda: C.lightning_step_seconds(
-            workload, GPipeStrategy(balance=split, chunks=args.chunks), world, args.batch_size, device,
-            args.warmup, args.steps)))
+        variants.append(
+            (
+                "gpipe Trainer, checkpoint=except_last",
+                lambda: C.lightning_step_seconds(
+                    workload,
+                    GPipeStrategy(balance=split, chunks=args.chunks),
+                    world,
+                    args.batch_size,
+                    device,
+                    args.warmup,
+                    args.steps,
+                ),
+            )
+        )
         for schedule in ("ScheduleGPipe", "Schedule1F1B"):
-            variants.append((f"torch.distributed.pipelining {schedule}", lambda s=schedule: C.step_seconds(
-                pipelining_step(workload, s, world, args.chunks, args.batch_size, device, split), device,
-                args.warmup, args.steps)))
-        variants.append((f"Lightning DDP, {world} processes", lambda: C.lightning_step_seconds(
-            workload, "ddp", world, args.batch_size, device, args.warmup, args.steps)))
+            variants.append(
+                (
+                    f"torch.distributed.pipelining {schedule}",
+                    lambda s=schedule: C.step_seconds(
+                        pipelining_step(workload, s, world, args.chunks, args.batch_size, device, split),
+                        device,
+                        args.warmup,
+                        args.steps,
+                    ),
+                )
+            )
+        variants.append(
+            (
+                f"Lightning DDP, {world} processes",
+                lambda: C.lightning_step_seconds(
+                    workload, "ddp", world, args.batch_size, device, args.warmup, args.steps
+                ),
+            )
+        )
         if round_ % 2:
             variants.reverse()
         for name, measure in variants:
             seconds = measure()
-            rows.append({"model": workload.name, "describe": workload.describe, "variant": name,
-                         "processes": world, "threads": 1, "step_s": seconds})
+            rows.append(
+                {
+                    "model": workload.name,
+                    "describe": workload.describe,
+                    "variant": name,
+                    "processes": world,
+                    "threads": 1,
+                    "step_s": seconds,
+                }
+            )
     return rows
 
 
@@ -124,9 +167,16 @@ def single_worker(rank: int, world: int, args: argparse.Namespace, threads: int)
     rows = []
     for workload in C.workloads(args.models, args):
         seconds = C.step_seconds(single_step(workload, args.batch_size, device), device, args.warmup, args.steps)
-        rows.append({"model": workload.name, "describe": workload.describe,
-                     "variant": f"one process, {threads} thread{'s' * (threads > 1)}",
-                     "processes": 1, "threads": threads, "step_s": seconds})
+        rows.append(
+            {
+                "model": workload.name,
+                "describe": workload.describe,
+                "variant": f"one process, {threads} thread{'s' * (threads > 1)}",
+                "processes": 1,
+                "threads": threads,
+                "step_s": seconds,
+            }
+        )
     return rows
 
 
@@ -135,8 +185,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=C.default_device())
     parser.add_argument("--stages", type=int, default=2, help="K: stages, processes, and threads of the one process")
     parser.add_argument("--chunks", type=int, default=8, help="M: micro-batches")
-    parser.add_argument("--models", nargs="+", default=["amoebanet", "transformer"],
-                        choices=["amoebanet", "transformer"])
+    parser.add_argument(
+        "--models", nargs="+", default=["amoebanet", "transformer"], choices=["amoebanet", "transformer"]
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -149,18 +200,22 @@ def main() -> None:
 
     best: dict[tuple, dict] = {}
     for round_ in range(args.rounds):
-        runs = [lambda: C.launch(pipeline_worker, args.stages, args, round_)[0],
-                lambda: C.launch(single_worker, 1, args, 1, threads=1)[0],
-                lambda: C.launch(single_worker, 1, args, args.stages, threads=args.stages)[0]]
-        for run in (runs if round_ % 2 == 0 else runs[::-1]):
+        runs = [
+            lambda: C.launch(pipeline_worker, args.stages, args, round_)[0],
+            lambda: C.launch(single_worker, 1, args, 1, threads=1)[0],
+            lambda: C.launch(single_worker, 1, args, args.stages, threads=args.stages)[0],
+        ]
+        for run in runs if round_ % 2 == 0 else runs[::-1]:
             for row in run():
                 key = (row["model"], row["variant"])
                 if key not in best or row["step_s"] < best[key]["step_s"]:
                     best[key] = row
 
     info = C.machine(args.device)
-    print(f"\nPeers at K={args.stages}, M={args.chunks}, batch {args.batch_size}, {args.device}, best of {args.rounds} "
-          f"rounds of {args.steps} steps\n{C.describe_machine(info)}")
+    print(
+        f"\nPeers at K={args.stages}, M={args.chunks}, batch {args.batch_size}, {args.device}, best of {args.rounds} "
+        f"rounds of {args.steps} steps\n{C.describe_machine(info)}"
+    )
     for model in args.models:
         rows = [r for r in best.values() if r["model"] == model]
         ours = best[(model, "gpipe engine, checkpoint=never")]["step_s"]
@@ -170,11 +225,29 @@ def main() -> None:
             r["vs_gpipe_never"] = ours / r["step_s"]
             r["vs_one_thread"] = alone / r["step_s"]
         print(f"\n{rows[0]['describe']}\n")
-        print(C.markdown(["variant", "processes x threads", "step ms", "samples/s", "throughput / gpipe engine (never)",
-                          "throughput / one process, 1 thread"],
-                         [[r["variant"], f"{r['processes']} x {r['threads']}", f"{1e3 * r['step_s']:.1f}",
-                           f"{r['samples_per_s']:.1f}", f"{r['vs_gpipe_never']:.2f}", f"{r['vs_one_thread']:.2f}"]
-                          for r in sorted(rows, key=lambda r: r["step_s"])]))
+        print(
+            C.markdown(
+                [
+                    "variant",
+                    "processes x threads",
+                    "step ms",
+                    "samples/s",
+                    "throughput / gpipe engine (never)",
+                    "throughput / one process, 1 thread",
+                ],
+                [
+                    [
+                        r["variant"],
+                        f"{r['processes']} x {r['threads']}",
+                        f"{1e3 * r['step_s']:.1f}",
+                        f"{r['samples_per_s']:.1f}",
+                        f"{r['vs_gpipe_never']:.2f}",
+                        f"{r['vs_one_thread']:.2f}",
+                    ]
+                    for r in sorted(rows, key=lambda r: r["step_s"])
+                ],
+            )
+        )
     C.write_json(args.out, {"machine": info, "args": vars(args), "rows": list(best.values())})
 
 

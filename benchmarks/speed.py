@@ -38,8 +38,17 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             pipe, step = C.gpipe_step(workload, chunks, args.checkpoint, args.batch_size, device, split)
             seconds = C.step_seconds(step, device, args.warmup, args.steps)
             pipe.close()
-            cells.append({"model": workload.name, "describe": workload.describe, "stages": world, "chunks": chunks,
-                          "balance": split, "step_s": seconds, "samples_per_s": args.batch_size / seconds})
+            cells.append(
+                {
+                    "model": workload.name,
+                    "describe": workload.describe,
+                    "stages": world,
+                    "chunks": chunks,
+                    "balance": split,
+                    "step_s": seconds,
+                    "samples_per_s": args.batch_size / seconds,
+                }
+            )
     return cells
 
 
@@ -53,8 +62,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=C.default_device())
     parser.add_argument("--stages", type=int, nargs="+", help="K values (default: 1, 2, 4, 8 as cores or GPUs allow)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--models", nargs="+", default=["amoebanet", "transformer"],
-                        choices=["amoebanet", "transformer"])
+    parser.add_argument(
+        "--models", nargs="+", default=["amoebanet", "transformer"], choices=["amoebanet", "transformer"]
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     parser.add_argument("--warmup", type=int, default=2)
@@ -89,16 +99,21 @@ def main() -> None:
             cell["over_k2_m1"] = cell["samples_per_s"] / best[(cell["model"], 2, 1)]["samples_per_s"]
 
     info = C.machine(args.device)
-    print(f"\nThroughput by stages K and micro-batches M, batch {args.batch_size}, checkpoint={args.checkpoint!r}, "
-          f"{args.device}, best of {args.rounds} rounds of {args.steps} steps\n{C.describe_machine(info)}")
+    print(
+        f"\nThroughput by stages K and micro-batches M, batch {args.batch_size}, checkpoint={args.checkpoint!r}, "
+        f"{args.device}, best of {args.rounds} rounds of {args.steps} steps\n{C.describe_machine(info)}"
+    )
     for model in args.models:
         rows = []
         for m in args.chunks:
             row: list = [m, f"{best[(model, 1, m)]['samples_per_s']:.1f}"]
             for k in stages[1:]:
                 c = best[(model, k, m)]
-                row += [f"{c['speedup']:.2f}x", f"{c['efficiency']:.2f} / {c['bubble_bound']:.2f}",
-                        f"{c['of_bound']:.2f}"]
+                row += [
+                    f"{c['speedup']:.2f}x",
+                    f"{c['efficiency']:.2f} / {c['bubble_bound']:.2f}",
+                    f"{c['of_bound']:.2f}",
+                ]
             rows.append(row)
         headers = ["M", "K=1 samples/s"]
         for k in stages[1:]:
@@ -108,10 +123,14 @@ def main() -> None:
         if (model, 2, 1) in best:  # GPipe's Table 2 measure: the largest K and M over K=2, M=1
             top = best[(model, max(stages), max(args.chunks))]
             fastest = max((c for c in cells if c["model"] == model), key=lambda c: c["samples_per_s"])
-            print(f"\nGPipe's measure, K={top['stages']}, M={top['chunks']} over K=2, M=1: {top['over_k2_m1']:.2f}x "
-                  f"(the fastest cell, K={fastest['stages']}, M={fastest['chunks']}: {fastest['over_k2_m1']:.2f}x)")
-    print("\nspeed-up: throughput over K=1 with the same M; efficiency: speed-up / K; bound: M/(M+K-1), "
-          "the fill-drain bubble's limit; of bound: efficiency / bound.")
+            print(
+                f"\nGPipe's measure, K={top['stages']}, M={top['chunks']} over K=2, M=1: {top['over_k2_m1']:.2f}x "
+                f"(the fastest cell, K={fastest['stages']}, M={fastest['chunks']}: {fastest['over_k2_m1']:.2f}x)"
+            )
+    print(
+        "\nspeed-up: throughput over K=1 with the same M; efficiency: speed-up / K; bound: M/(M+K-1), "
+        "the fill-drain bubble's limit; of bound: efficiency / bound."
+    )
     C.write_json(args.out, {"machine": info, "args": vars(args), "stages": stages, "cells": cells})
 
 

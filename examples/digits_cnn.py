@@ -26,10 +26,19 @@ class DigitsCNN(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.backbone = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * 2 * 2, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64 * 2 * 2, 128),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(128, 10),
         )
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10)
         self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10)
@@ -59,8 +68,11 @@ def digits(batch_size: int):
     x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(data.target)
     train, val, test = random_split(TensorDataset(x, y), [1257, 180, 360], generator=torch.Generator().manual_seed(0))
-    return (DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=256),
-            DataLoader(test, batch_size=256))
+    return (
+        DataLoader(train, batch_size=batch_size, shuffle=True),
+        DataLoader(val, batch_size=256),
+        DataLoader(test, batch_size=256),
+    )
 
 
 def main() -> None:
@@ -73,8 +85,14 @@ def main() -> None:
     L.seed_everything(0)
     train, val, test = digits(args.batch_size)
     model = DigitsCNN()
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=args.chunks), accelerator="cpu", devices=args.devices,
-                        max_epochs=args.max_epochs, logger=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=args.chunks),
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=args.max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(model, train, val)
     result = trainer.test(model, test)
     if trainer.is_global_zero:

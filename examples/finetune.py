@@ -33,11 +33,19 @@ def sgd(params):
 
 
 def trainer(args: argparse.Namespace, epochs: int, name: str) -> L.Trainer:
-    checkpoint = ModelCheckpoint(dirpath=args.out, filename=name, save_on_train_epoch_end=True,
-                                 enable_version_counter=False)  # a rerun overwrites its files
-    return L.Trainer(strategy=GPipeStrategy(chunks=args.chunks, deferred_batch_norm=True), accelerator="cpu",
-                     devices=args.devices, max_epochs=epochs, logger=False, callbacks=[checkpoint],
-                     limit_train_batches=args.limit_train_batches, enable_model_summary=False)
+    checkpoint = ModelCheckpoint(
+        dirpath=args.out, filename=name, save_on_train_epoch_end=True, enable_version_counter=False
+    )  # a rerun overwrites its files
+    return L.Trainer(
+        strategy=GPipeStrategy(chunks=args.chunks, deferred_batch_norm=True),
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=epochs,
+        logger=False,
+        callbacks=[checkpoint],
+        limit_train_batches=args.limit_train_batches,
+        enable_model_summary=False,
+    )
 
 
 def pretrain(args: argparse.Namespace) -> str:
@@ -73,15 +81,15 @@ def resnet_sequential(arch: str, weights_path: str, num_classes: int) -> nn.Sequ
 def finetune(args: argparse.Namespace, pretrained: str) -> dict[str, float]:
     """Train on the second task (digits 5-9) from the pretrained weights, with a new head."""
     L.seed_everything(args.seed)
-    data = ImageDataModule("digits", batch_size=args.batch_size, classes=range(5, 10),
-                           image_size=args.image_size)
+    data = ImageDataModule("digits", batch_size=args.batch_size, classes=range(5, 10), image_size=args.image_size)
     if args.torchvision_weights:
         # The Sequential starts with GrayToRGB, so --freeze counts it as a layer.
         backbone = resnet_sequential(args.arch, pretrained, data.num_classes)
         model: ImageClassifier = ImageClassifier(backbone, data.num_classes, optimizer=sgd, freeze=args.freeze)
     else:
-        model = AmoebaNetClassifier(num_classes=data.num_classes, pretrained=pretrained, optimizer=sgd,
-                                    freeze=args.freeze, **AMOEBANET)
+        model = AmoebaNetClassifier(
+            num_classes=data.num_classes, pretrained=pretrained, optimizer=sgd, freeze=args.freeze, **AMOEBANET
+        )
     fit = trainer(args, args.finetune_epochs, "finetuned")
     fit.fit(model, data)
     return fit.test(model, data)[0]
@@ -94,7 +102,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--pretrain-epochs", type=int, default=4)
     parser.add_argument("--finetune-epochs", type=int, default=3)
-    parser.add_argument("--freeze", type=int, default=0, help="leading layers of the Sequential that stay as pretrained")
+    parser.add_argument(
+        "--freeze", type=int, default=0, help="leading layers of the Sequential that stay as pretrained"
+    )
     parser.add_argument("--torchvision-weights", help="a torchvision state_dict file (torch.save) to start from")
     parser.add_argument("--arch", default="resnet18", help="the torchvision architecture of --torchvision-weights")
     parser.add_argument("--image-size", type=int, default=None, help="resize the digits (e.g. 32 for a ResNet)")

@@ -10,8 +10,18 @@ from lightning_gpipe.engine import DeferredBatchNorm, GPipe, PipeLayout, Pipelin
 from lightning_gpipe.monitor.timer import StageTimer
 
 __all__ = [
-    "DeferredBatchNorm", "GPipe", "GPipeStrategy", "LayerCosts", "PipeLayout", "PipelineError", "PipelineMonitor",
-    "StageTimer", "balance", "is_recomputing", "profile_layers", "__version__",
+    "DeferredBatchNorm",
+    "GPipe",
+    "GPipeStrategy",
+    "LayerCosts",
+    "PipeLayout",
+    "PipelineError",
+    "PipelineMonitor",
+    "StageTimer",
+    "balance",
+    "is_recomputing",
+    "profile_layers",
+    "__version__",
 ]
 
 __version__ = "0.1.0"

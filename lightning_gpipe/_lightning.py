@@ -16,9 +16,9 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
@@ -29,8 +29,16 @@ from lightning_gpipe._subclass import copy_as
 from lightning_gpipe.engine.pipe import GPipe
 
 __all__ = [
-    "MainProcessLauncher", "PipelineSummary", "current_hook", "first_batch", "init_process_group", "launcher",
-    "log_to_loggers", "optimizers_to_device", "should_update_logs", "silence_not_resumable_warning",
+    "MainProcessLauncher",
+    "PipelineSummary",
+    "current_hook",
+    "first_batch",
+    "init_process_group",
+    "launcher",
+    "log_to_loggers",
+    "optimizers_to_device",
+    "should_update_logs",
+    "silence_not_resumable_warning",
     "use_pipeline_summaries",
 ]
 
@@ -82,8 +90,9 @@ class MainProcessLauncher(_MultiProcessingLauncher):
             owner_name, _, name = key.rpartition(".")
             owner = module.get_submodule(owner_name)
             if name in owner._parameters:
-                owner._parameters[name] = nn.Parameter(owner._parameters[name].to("meta"),
-                                                       requires_grad=owner._parameters[name].requires_grad)
+                owner._parameters[name] = nn.Parameter(
+                    owner._parameters[name].to("meta"), requires_grad=owner._parameters[name].requires_grad
+                )
             elif name in owner._buffers:
                 owner._buffers[name] = owner._buffers[name].to("meta")
         module.load_state_dict({k: v for k, v in weights.items() if k not in set(meta)}, strict=False)
@@ -92,7 +101,9 @@ class MainProcessLauncher(_MultiProcessingLauncher):
             rank_zero_warn(
                 f"state_dict_type='sharded': the model in the main process holds only the first stage's trained "
                 f"layers; {len(meta)} tensors of the other stages are on the meta device. Load the whole model from "
-                "the sharded checkpoint with `lightning_gpipe.checkpointing.files.consolidate(path)`.", category=UserWarning)
+                "the sharded checkpoint with `lightning_gpipe.checkpointing.files.consolidate(path)`.",
+                category=UserWarning,
+            )
         super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
 
 
@@ -106,8 +117,9 @@ class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
 class _ReportingMultiProcessingLauncher(MainProcessLauncher):
     on_failure: OnFailure
 
-    def _wrapping_function(self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, *args: Any,
-                           **kwargs: Any) -> None:
+    def _wrapping_function(
+        self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, *args: Any, **kwargs: Any
+    ) -> None:
         super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
 
 
@@ -131,8 +143,7 @@ def launcher(strategy: Any, start_method: str, on_failure: OnFailure) -> _Launch
     return chosen
 
 
-def init_process_group(environment: ClusterEnvironment, backend: str, device: torch.device,
-                       timeout: timedelta) -> None:
+def init_process_group(environment: ClusterEnvironment, backend: str, device: torch.device, timeout: timedelta) -> None:
     """Initialize the default process group the way Lightning's DDP does (a no-op when it exists)."""
     kwargs = {"timeout": timeout}
     if device.type == "cuda":
@@ -151,8 +162,11 @@ def silence_not_resumable_warning() -> None:
     """
     from lightning.fabric.utilities.warnings import PossibleUserWarning
 
-    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended",
-                            category=PossibleUserWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message="You're resuming from a checkpoint that ended before the epoch ended",
+        category=PossibleUserWarning,
+    )
 
 
 def should_update_logs(trainer: "pl.Trainer") -> bool:
@@ -173,6 +187,8 @@ def log_to_loggers(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
     cost more than the measurement; the loggers themselves write on rank 0 only.
     """
     trainer._logger_connector.log_metrics(metrics)  # type: ignore[arg-type]
+
+
 def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
     """The first batch of the running stage's dataloader, the step that takes it, and the loader's name.
 

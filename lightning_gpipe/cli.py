@@ -22,12 +22,19 @@ class GPipeCLI(LightningCLI):
     """LightningCLI whose ``fit`` also tests, and whose data sets the model's classes and input channels."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.num_classes", "model.init_args.num_classes" if self.subclass_mode_model
-                              else "model.num_classes", apply_on="instantiate")
-        parser.link_arguments("data.in_channels", "model.init_args.in_channels" if self.subclass_mode_model
-                              else "model.in_channels", apply_on="instantiate")
-        parser.add_argument("--test_after_fit", type=bool, default=True,
-                            help="After `fit`, run `test` on the trained model (fit only).")
+        parser.link_arguments(
+            "data.num_classes",
+            "model.init_args.num_classes" if self.subclass_mode_model else "model.num_classes",
+            apply_on="instantiate",
+        )
+        parser.link_arguments(
+            "data.in_channels",
+            "model.init_args.in_channels" if self.subclass_mode_model else "model.in_channels",
+            apply_on="instantiate",
+        )
+        parser.add_argument(
+            "--test_after_fit", type=bool, default=True, help="After `fit`, run `test` on the trained model (fit only)."
+        )
 
     def after_fit(self) -> None:
         if not self.config[self.subcommand].get("test_after_fit", True) or self.trainer.interrupted:
@@ -39,7 +46,7 @@ class GPipeCLI(LightningCLI):
 
 
 def run(args: ArgsType = None) -> GPipeCLI:
-    """Parse ``args`` (by default the command line), then run the subcommand; returns the CLI (its trainer, model...)."""
+    """Parse ``args`` (by default the command line), then run the subcommand; returns the CLI (its trainer...)."""
     return GPipeCLI(AmoebaNetClassifier, ImageDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

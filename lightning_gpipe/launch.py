@@ -41,12 +41,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str,
-            threads: int) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str, threads: int
+) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
-        TORCHELASTIC_RUN_ID="lightning-gpipe-tests", OMP_NUM_THREADS=str(threads),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        TORCHELASTIC_RUN_ID="lightning-gpipe-tests",
+        OMP_NUM_THREADS=str(threads),
     )
     torch.set_num_threads(threads)
     path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -72,8 +79,14 @@ class Outcome:
     ended: list[float | None]  # seconds from the start until each rank exited (None: killed at the timeout)
 
 
-def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
-                  threads: int = 1, wait_for: list[int] | None = None) -> Outcome:
+def run_processes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 600.0,
+    threads: int = 1,
+    wait_for: list[int] | None = None,
+) -> Outcome:
     """Start ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; wait up to ``timeout`` s.
 
     Nothing is killed early when one rank fails, so a test can see whether the others end by
@@ -83,8 +96,13 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         start = time.monotonic()
-        context = mp.start_processes(_worker, args=(world_size, port, fn, args, out_dir, threads),
-                                     nprocs=world_size, start_method="spawn", join=False)
+        context = mp.start_processes(
+            _worker,
+            args=(world_size, port, fn, args, out_dir, threads),
+            nprocs=world_size,
+            start_method="spawn",
+            join=False,
+        )
         deadline = start + timeout
         ended: list[float | None] = [None] * world_size
         watched = [context.processes[r] for r in (wait_for if wait_for is not None else range(world_size))]
@@ -121,7 +139,9 @@ def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     """Like :func:`run_processes`, but every rank must succeed (else :class:`WorkerFailed`); the per-rank results."""
     outcome = run_processes(fn, world_size, *args, timeout=timeout, threads=threads)
     if any(code != 0 for code in outcome.exitcodes):
-        details = "\n".join(f"--- rank {r} (exit {c}) ---\n{t or e or 'no error recorded'}"
-                            for r, (c, e, t) in enumerate(zip(outcome.exitcodes, outcome.errors, outcome.tracebacks)))
+        details = "\n".join(
+            f"--- rank {r} (exit {c}) ---\n{t or e or 'no error recorded'}"
+            for r, (c, e, t) in enumerate(zip(outcome.exitcodes, outcome.errors, outcome.tracebacks))
+        )
         raise WorkerFailed(f"a worker failed after {outcome.seconds:.1f}s:\n{details}")
     return outcome.results

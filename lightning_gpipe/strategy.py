@@ -14,18 +14,17 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from typing_extensions import override
-
-import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_gpipe._lightning import (
     current_hook,
@@ -134,12 +133,17 @@ class GPipeStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         process_group_timeout: timedelta = timedelta(minutes=30),
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         if isinstance(balance, str) and balance not in COST_KINDS:
-            raise ValueError(f"`balance` must be a list of layers per stage or 'params', 'time' or 'memory', "
-                             f"got {balance!r}.")
+            raise ValueError(
+                f"`balance` must be a list of layers per stage or 'params', 'time' or 'memory', got {balance!r}."
+            )
         microbatch.check_chunks(chunks)
         check_checkpoint_mode(checkpoint)
         if not isinstance(backbone, str) or not backbone:
@@ -167,7 +171,9 @@ class GPipeStrategy(ParallelStrategy):
         self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
         self._batch_idx = -1
         self._replicated: list[nn.Parameter] = []  # parameters outside the backbone, held by every rank
-        self._saved_model_keys: Optional[list[str]] = None  # a sharded checkpoint's model keys (each stage reads its own)
+        self._saved_model_keys: Optional[list[str]] = (
+            None  # a sharded checkpoint's model keys (each stage reads its own)
+        )
 
     # -- processes and ranks ---------------------------------------------------------------------------
 
@@ -278,8 +284,18 @@ class GPipeStrategy(ParallelStrategy):
             DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
         refuse_ties_outside(module, sequential, self.backbone + ".")
         self._full_names = [n for n, _ in module.named_parameters()]
-        pipe = GPipe(sequential, balance, chunks=self.chunks, checkpoint=self.checkpoint, layout=layout,
-                     device=self.root_device, seed=self.seed, timeout=self.timeout, board=self._board, mesh=self._mesh)
+        pipe = GPipe(
+            sequential,
+            balance,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
+            layout=layout,
+            device=self.root_device,
+            seed=self.seed,
+            timeout=self.timeout,
+            board=self._board,
+            mesh=self._mesh,
+        )
         pipe.ties.prefix = self.backbone + "."
         setattr(owner, name, pipe)
         return pipe
@@ -295,10 +311,12 @@ class GPipeStrategy(ParallelStrategy):
             self.layer_costs = self._measure_costs(sequential)
             balance = optimal_balance(self.layer_costs.of(self.balance), stages)
         costs = self.layer_costs
-        rank_zero_info(f"GPipe split of `{self.backbone}` into {stages} stage{'s' * (stages > 1)} by "
-                       f"balance={self.balance!r}:\n"
-                       + split_table(balance, parameter_costs(sequential), costs and costs.time, costs and costs.memory)
-                       + ("" if costs else "\n(time and memory are measured with balance='time' or 'memory')"))
+        rank_zero_info(
+            f"GPipe split of `{self.backbone}` into {stages} stage{'s' * (stages > 1)} by "
+            f"balance={self.balance!r}:\n"
+            + split_table(balance, parameter_costs(sequential), costs and costs.time, costs and costs.memory)
+            + ("" if costs else "\n(time and memory are measured with balance='time' or 'memory')")
+        )
         return balance
 
     def _measure_costs(self, sequential: nn.Sequential) -> LayerCosts:
@@ -309,15 +327,18 @@ class GPipeStrategy(ParallelStrategy):
                 module = self.lightning_module
                 assert module is not None
                 with isolated_rng(self.root_device, everything=True):
-                    sample, where = backbone_sample(module, sequential, self.backbone, self.chunks,
-                                                    first_batch(module.trainer))
-                    outcome = profile_layers(sequential, sample, self.root_device,
-                                             context=self.precision_plugin.forward_context)
+                    sample, where = backbone_sample(
+                        module, sequential, self.backbone, self.chunks, first_batch(module.trainer)
+                    )
+                    outcome = profile_layers(
+                        sequential, sample, self.root_device, context=self.precision_plugin.forward_context
+                    )
                 rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
             except Exception as error:
                 outcome = error
-        shared = self.broadcast(outcome if not isinstance(outcome, Exception) else
-                                (type(outcome).__name__, str(outcome)), src=0)
+        shared = self.broadcast(
+            outcome if not isinstance(outcome, Exception) else (type(outcome).__name__, str(outcome)), src=0
+        )
         if isinstance(outcome, Exception):
             raise outcome
         if isinstance(shared, tuple):  # rank 0 failed: fail alike, with its message
@@ -350,7 +371,8 @@ class GPipeStrategy(ParallelStrategy):
                 raise ValueError(
                     f"Stage {self.pipe.stage} has no parameters for its optimizer (layers "
                     f"{[i for i, _ in self.pipe.local_layers()]}). Give every stage trainable layers with `balance`, "
-                    "or keep a trainable layer outside the backbone (a head) that every stage steps.") from error
+                    "or keep a trainable layer outside the backbone (a head) that every stage steps."
+                ) from error
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -453,8 +475,12 @@ class GPipeStrategy(ParallelStrategy):
         return group is None and self.replica_group is None
 
     @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean",
+    ) -> Union[Tensor, Any]:
         """Reduce over the data-parallel replicas (by default): every stage gets the same result."""
         if not isinstance(tensor, Tensor) or not self._active():
             return tensor
@@ -473,8 +499,9 @@ class GPipeStrategy(ParallelStrategy):
         """Gather from the data-parallel replicas (by default), stacked in replica order."""
         if self._replicas_only(group) or not self._active():
             return tensor.unsqueeze(0)
-        return super().all_gather(tensor, group=group if group is not None else self.replica_group,
-                                  sync_grads=sync_grads)
+        return super().all_gather(
+            tensor, group=group if group is not None else self.replica_group, sync_grads=sync_grads
+        )
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -567,14 +594,20 @@ class GPipeStrategy(ParallelStrategy):
         different steps and the failed one cannot be asked, so a checkpoint would not be consistent.
         """
         if self.failed:
-            rank_zero_warn(f"Not saving the checkpoint {str(filepath)!r}: a stage of the pipeline failed, and the "
-                           "stages' states may not belong to the same step. Resume from the last checkpoint saved "
-                           "before the failure.")
+            rank_zero_warn(
+                f"Not saving the checkpoint {str(filepath)!r}: a stage of the pipeline failed, and the "
+                "stages' states may not belong to the same step. Resume from the last checkpoint saved "
+                "before the failure."
+            )
             return
         if self.pipe is not None:
-            checkpoint["gpipe"] = {"calls": self.pipe.calls, "seed": self.pipe.seed,
-                                   "chunks": self.pipe.chunks, "stages": self.layout.pipe_size,
-                                   "balance": list(self.pipe.balance)}
+            checkpoint["gpipe"] = {
+                "calls": self.pipe.calls,
+                "seed": self.pipe.seed,
+                "chunks": self.pipe.chunks,
+                "stages": self.layout.pipe_size,
+                "balance": list(self.pipe.balance),
+            }
             if self._loaders and hasattr(self._loaders[0], "position"):
                 checkpoint["gpipe"]["loader"] = self._loaders[0].position()
         path = str(filepath)
@@ -583,7 +616,8 @@ class GPipeStrategy(ParallelStrategy):
                 keys = self.pipe.gather(list(self.pipe.state_dict()), to_all=False)
                 full = {k: None for part in keys or [] for k in part}
                 checkpoint["gpipe"]["state_dict_keys"] = list(
-                    model_state.merge_backbone(checkpoint["state_dict"], full, self.backbone + "."))
+                    model_state.merge_backbone(checkpoint["state_dict"], full, self.backbone + ".")
+                )
             save_sharded(checkpoint, path, writer=self.is_global_zero)
         elif self.is_global_zero:
             if "://" in path:  # a remote filesystem: leave atomicity to the CheckpointIO plugin
@@ -601,8 +635,9 @@ class GPipeStrategy(ParallelStrategy):
             order = {k: i for i, k in enumerate(checkpoint.get("gpipe", {}).get("state_dict_keys") or [])}
             self._saved_model_keys = sorted(sharded_model_keys(path), key=lambda k: order.get(k, len(order)))
         else:
-            checkpoint = super().load_checkpoint(checkpoint_path,
-                                                 weights_only=True if weights_only is None else weights_only)
+            checkpoint = super().load_checkpoint(
+                checkpoint_path, weights_only=True if weights_only is None else weights_only
+            )
         saved = checkpoint.get("gpipe")
         if saved is not None and self.pipe is not None:  # the random streams go on where they stopped
             self.pipe.calls = saved["calls"]
@@ -624,17 +659,23 @@ class GPipeStrategy(ParallelStrategy):
         trainer = module.trainer if module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or self.pipe is None:
             return
-        changed = [f"{name}={now} (the checkpoint's: {then})"
-                   for name, now, then in (("chunks", self.pipe.chunks, saved.get("chunks")),
-                                           ("seed", self.pipe.seed, saved.get("seed")))
-                   if then is not None and now != then]
+        changed = [
+            f"{name}={now} (the checkpoint's: {then})"
+            for name, now, then in (
+                ("chunks", self.pipe.chunks, saved.get("chunks")),
+                ("seed", self.pipe.seed, saved.get("seed")),
+            )
+            if then is not None and now != then
+        ]
         if changed:
             rank_zero_warn(
                 f"Resuming with {' and '.join(changed)}. Dropout's random streams are keyed by (seed, call, "
                 "micro-batch, layer), so the random layers draw other masks and the results will differ from "
                 f"an uninterrupted run. To keep them, resume with GPipeStrategy(chunks={saved.get('chunks')}) "
                 "and leave `seed` unset (the checkpoint's seed is then used) or set it to "
-                f"{saved.get('seed')}. A different number of stages or balance is fine.", category=UserWarning)
+                f"{saved.get('seed')}. A different number of stages or balance is fine.",
+                category=UserWarning,
+            )
 
     def _stage_selector(self) -> Callable[[tuple], bool]:
         """Which entries of a sharded checkpoint this stage reads: its own layers, the rest of the model."""
@@ -713,15 +754,20 @@ class GPipeStrategy(ParallelStrategy):
             rank_zero_info(
                 f"state_dict_type='sharded': after the run each rank holds only its own stage of `{self.backbone}` "
                 "(the other layers are on the meta device). For the whole model, load the sharded checkpoint "
-                "with `lightning_gpipe.checkpointing.files.consolidate(path)`.")
+                "with `lightning_gpipe.checkpointing.files.consolidate(path)`."
+            )
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         entries = (("gpipe", "popen"), ("gpipe_spawn", "spawn"), ("gpipe_fork", "fork"), ("gpipe_notebook", "fork"))
         for name, start_method in entries:
-            strategy_registry.register(name, cls, description=f"GPipe pipeline, processes started with "
-                                       f"{start_method!r}", start_method=start_method)
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"GPipe pipeline, processes started with {start_method!r}",
+                start_method=start_method,
+            )
 
 
 def _refuse_fp16_scaler(plugin: Precision) -> None:
@@ -756,5 +802,11 @@ class _GlobalNormClipping:
         if pipe is None:
             return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]  # the plugin's own class
         main_params = self.main_params(optimizer)  # type: ignore[attr-defined]
-        clip_grad_norm_(main_params, clip_val, pipe.parameters(), count_replicated=pipe.stage == 0, group=pipe.group,
-                        counted_elsewhere=pipe.ties.counted_elsewhere())
+        clip_grad_norm_(
+            main_params,
+            clip_val,
+            pipe.parameters(),
+            count_replicated=pipe.stage == 0,
+            group=pipe.group,
+            counted_elsewhere=pipe.ties.counted_elsewhere(),
+        )

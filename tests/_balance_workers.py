@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import _models as M
 import lightning as L
 from torch import nn
-
-import _models as M
 
 
 class Broken(nn.Module):
@@ -46,16 +45,21 @@ def measured_balance(devices: int) -> dict[str, Any]:
         logger.addHandler(records)
         try:
             L.seed_everything(0, verbose=False)
-            trainer = L.Trainer(strategy=GPipeStrategy(balance=kind, chunks=2), devices=devices, callbacks=[chosen],
-                                **M.trainer_kwargs(max_steps=1))
+            trainer = L.Trainer(
+                strategy=GPipeStrategy(balance=kind, chunks=2),
+                devices=devices,
+                callbacks=[chosen],
+                **M.trainer_kwargs(max_steps=1),
+            )
             trainer.fit(M.Net(stem=True), M.loader())
         finally:
             logger.removeHandler(records)
         results[kind] = {"balance": chosen.balance, "costs": trainer.strategy.layer_costs, "log": records.messages}
     model = M.Net()
     model.backbone.insert(3, Broken())
-    trainer = L.Trainer(strategy=GPipeStrategy(balance="time", chunks=2), devices=devices,
-                        **M.trainer_kwargs(max_steps=1))
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(balance="time", chunks=2), devices=devices, **M.trainer_kwargs(max_steps=1)
+    )
     try:
         trainer.fit(model, M.loader())
         results["failing layer"] = "no error"

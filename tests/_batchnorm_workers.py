@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import _models as M
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import _models as M
 
 CHUNKS, MICRO = 2, 4  # 2 micro-batches of 4 samples: batches of 8
 
@@ -19,8 +18,15 @@ class BNNet(M.Net):
 
     def __init__(self) -> None:
         super().__init__()
-        self.backbone = nn.Sequential(nn.Linear(M.FEATURES, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 12),
-                                      nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 8))
+        self.backbone = nn.Sequential(
+            nn.Linear(M.FEATURES, 16),
+            nn.BatchNorm1d(16),
+            nn.ReLU(),
+            nn.Linear(16, 12),
+            nn.BatchNorm1d(12),
+            nn.Tanh(),
+            nn.Linear(12, 8),
+        )
 
 
 def tiled_loader() -> DataLoader:
@@ -32,8 +38,8 @@ def tiled_loader() -> DataLoader:
     """
     base = M.dataset(samples=5 * MICRO)
     x, y = base.tensors
-    xs = torch.cat([x[i:i + MICRO].repeat(CHUNKS, 1) for i in range(0, len(x), MICRO)])
-    ys = torch.cat([y[i:i + MICRO].repeat(CHUNKS) for i in range(0, len(y), MICRO)])
+    xs = torch.cat([x[i : i + MICRO].repeat(CHUNKS, 1) for i in range(0, len(x), MICRO)])
+    ys = torch.cat([y[i : i + MICRO].repeat(CHUNKS) for i in range(0, len(y), MICRO)])
     return DataLoader(TensorDataset(xs, ys), batch_size=CHUNKS * MICRO, shuffle=False)
 
 

@@ -30,8 +30,9 @@ class FromDict(nn.Module):
 
 def model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(FromDict(), nn.Linear(4, 8), nn.Tanh(), Split(), Join(), nn.Linear(8, 8), nn.ReLU(),
-                         nn.Linear(8, 3))
+    return nn.Sequential(
+        FromDict(), nn.Linear(4, 8), nn.Tanh(), Split(), Join(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)
+    )
 
 
 def data():
@@ -50,6 +51,10 @@ def reference():
 
 
 def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) -> dict:
+    # The launcher (lightning_gpipe.launch) imported the package, and with it Lightning, before this ran: forget
+    # both, so that the package is imported again as on a machine without Lightning.
+    for name in [m for m in sys.modules if m.split(".")[0] in ("lightning", "lightning_gpipe")]:
+        del sys.modules[name]
     sys.modules["lightning"] = None  # type: ignore[assignment]  # importing Lightning now fails
     from lightning_gpipe import GPipe
 
@@ -68,8 +73,9 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
         "loss": loss.item(),
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         "input_grad": x.grad.clone(),
-        "lightning_imported": any(m == "lightning" or m.startswith("lightning.") for m in sys.modules
-                                  if sys.modules[m] is not None),
+        "lightning_imported": any(
+            m == "lightning" or m.startswith("lightning.") for m in sys.modules if sys.modules[m] is not None
+        ),
     }
     pipe.close()
     dist.destroy_process_group()

@@ -24,8 +24,15 @@ def loader(batch_size: int = 8, shuffle: bool = True, samples: int = 40) -> Data
 
 def mlp(dropout: float = 0.0) -> nn.Sequential:
     """Seven layers of uneven sizes, so that parameter-count splits are uneven too."""
-    layers: list[nn.Module] = [nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 24), nn.ReLU(),
-                               nn.Linear(24, 12), nn.Tanh(), nn.Linear(12, 8)]
+    layers: list[nn.Module] = [
+        nn.Linear(FEATURES, 16),
+        nn.Tanh(),
+        nn.Linear(16, 24),
+        nn.ReLU(),
+        nn.Linear(24, 12),
+        nn.Tanh(),
+        nn.Linear(12, 8),
+    ]
     if dropout:
         layers.insert(2, nn.Dropout(dropout))
         layers.insert(6, nn.Dropout(dropout))
@@ -35,8 +42,15 @@ def mlp(dropout: float = 0.0) -> nn.Sequential:
 class Net(L.LightningModule):
     """A backbone Sequential and a small head outside it; records what the tests compare."""
 
-    def __init__(self, optimizer: str = "sgd", dropout: float = 0.0, head_dropout: float = 0.0, stem: bool = False,
-                 scheduler: bool = False, sync_dist: bool = False):
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        dropout: float = 0.0,
+        head_dropout: float = 0.0,
+        stem: bool = False,
+        scheduler: bool = False,
+        sync_dist: bool = False,
+    ):
         super().__init__()
         self.optimizer_name, self.scheduler, self.sync_dist = optimizer, scheduler, sync_dist
         self.stem = nn.Linear(FEATURES, FEATURES) if stem else None
@@ -83,9 +97,16 @@ class Net(L.LightningModule):
 
 def trainer_kwargs(**overrides) -> dict:
     """Quiet, small runs: 5 steps, no logger, no checkpoints, no progress bar."""
-    kwargs = dict(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                  limit_val_batches=0)
+    kwargs = dict(
+        accelerator="cpu",
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     kwargs.update(overrides)
     return kwargs
 
@@ -107,8 +128,15 @@ def tied_mlp() -> nn.Sequential:
     The first and the last layer land on the first and the last stage, as an embedding and the output
     layer of a language model do; the ties are the same Parameter object, as ``last.weight = first.weight``.
     """
-    layers = [nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, FEATURES), nn.Tanh(),
-              nn.Linear(FEATURES, 8)]
+    layers = [
+        nn.Linear(FEATURES, 8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, FEATURES),
+        nn.Tanh(),
+        nn.Linear(FEATURES, 8),
+    ]
     layers[6].weight = layers[0].weight
     layers[6].bias = layers[2].bias
     return nn.Sequential(*layers)

@@ -7,24 +7,27 @@ import json
 import os
 from typing import Any
 
+import _models as M
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
-import _models as M
 
-
-def monitored_fit(rank: int, world_size: int, directory: str, chunks: int, checkpoint: str,
-                  trace_steps: list[int]) -> dict[str, Any]:
+def monitored_fit(
+    rank: int, world_size: int, directory: str, chunks: int, checkpoint: str, trace_steps: list[int]
+) -> dict[str, Any]:
     from lightning_gpipe import GPipeStrategy, PipelineMonitor
 
     L.seed_everything(0, verbose=False)
     monitor = PipelineMonitor(trace_steps=trace_steps)
     kwargs = M.trainer_kwargs(logger=CSVLogger(directory, name="monitor"), log_every_n_steps=2, max_steps=6)
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=chunks, checkpoint=checkpoint), devices=world_size,
-                        callbacks=[monitor], **kwargs)
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=chunks, checkpoint=checkpoint), devices=world_size, callbacks=[monitor], **kwargs
+    )
     trainer.fit(M.Net(), M.loader(batch_size=12, samples=72))
-    result: dict[str, Any] = {"progress_bar": dict(trainer.progress_bar_metrics),
-                              "logged_metrics": {k: float(v) for k, v in trainer.logged_metrics.items()}}
+    result: dict[str, Any] = {
+        "progress_bar": dict(trainer.progress_bar_metrics),
+        "logged_metrics": {k: float(v) for k, v in trainer.logged_metrics.items()},
+    }
     if rank == 0:
         with open(trainer.logger.experiment.metrics_file_path) as f:
             result["csv"] = list(csv.DictReader(f))

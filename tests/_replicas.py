@@ -5,31 +5,47 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import _models as M
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-import _models as M
-
 STEPS, BATCH = 5, 8  # per replica; 20 samples a replica: batches of 8, 8, 4, so 5 steps cross an epoch
 
 
-def _fit(strategy: Any, devices: int, max_steps: int = STEPS, ckpt_path: str | None = None, save_every: int = 0,
-         directory: str = "", tied: bool = False, **model: Any) -> dict[str, Any]:
+def _fit(
+    strategy: Any,
+    devices: int,
+    max_steps: int = STEPS,
+    ckpt_path: str | None = None,
+    save_every: int = 0,
+    directory: str = "",
+    tied: bool = False,
+    **model: Any,
+) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     net = M.TiedNet(**model) if tied else M.Net(**model)
-    callbacks = [ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every,
-                                 save_top_k=-1)] if save_every else []
-    trainer = L.Trainer(strategy=strategy, devices=devices,
-                        **M.trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(callbacks)))
+    callbacks = (
+        [ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)]
+        if save_every
+        else []
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        devices=devices,
+        **M.trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(callbacks)),
+    )
     trainer.fit(net, M.loader(batch_size=BATCH))
     if ckpt_path is not None:
         raise AssertionError("use _resume")
-    return {"weights": {k: v.clone() for k, v in net.state_dict().items()},
-            "grads": {k: v.clone() for k, v in net.first_grads.items()},
-            "losses": list(net.losses), "logged": float(trainer.callback_metrics["train_loss"])}
+    return {
+        "weights": {k: v.clone() for k, v in net.state_dict().items()},
+        "grads": {k: v.clone() for k, v in net.first_grads.items()},
+        "losses": list(net.losses),
+        "logged": float(trainer.callback_metrics["train_loss"]),
+    }
 
 
 def _resume(strategy: Any, devices: int, ckpt_path: str, max_steps: int, **model: Any) -> dict[str, Any]:
@@ -58,8 +74,9 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         where = os.path.join(directory, kind)
         out[f"straight {kind}"] = _fit(gpipe(), 4, max_steps=8, optimizer="adam", dropout=0.2)
         _fit(gpipe(state_dict_type=kind), 4, max_steps=3, save_every=3, directory=where, optimizer="adam", dropout=0.2)
-        out[f"resumed {kind}"] = _resume(gpipe(state_dict_type=kind), 4, os.path.join(where, "step=3.ckpt"), 8,
-                                         optimizer="adam", dropout=0.2)
+        out[f"resumed {kind}"] = _resume(
+            gpipe(state_dict_type=kind), 4, os.path.join(where, "step=3.ckpt"), 8, optimizer="adam", dropout=0.2
+        )
     out["files"] = {kind: sorted(os.listdir(os.path.join(directory, kind))) for kind in ("full", "sharded")}
     return out
 
@@ -86,5 +103,8 @@ def one_device_on_the_global_batch(tied: bool = False, **model: Any) -> dict[str
     loader = DataLoader(M.dataset(), batch_sampler=global_batches())
     trainer = L.Trainer(devices=1, **M.trainer_kwargs(max_steps=STEPS))
     trainer.fit(net, loader)
-    return {"weights": {k: v.clone() for k, v in net.state_dict().items()},
-            "grads": {k: v.clone() for k, v in net.first_grads.items()}, "losses": list(net.losses)}
+    return {
+        "weights": {k: v.clone() for k, v in net.state_dict().items()},
+        "grads": {k: v.clone() for k, v in net.first_grads.items()},
+        "losses": list(net.losses),
+    }

@@ -7,12 +7,11 @@ import signal
 import warnings
 from typing import Any
 
+import _models as M
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-import _models as M
 
 STEPS = 8  # 5 batches an epoch: runs cross an epoch boundary
 RANDOM = {"dropout": 0.3, "head_dropout": 0.2, "scheduler": True}  # dropout in and outside the pipe, a scheduler
@@ -21,18 +20,32 @@ RANDOM = {"dropout": 0.3, "head_dropout": 0.2, "scheduler": True}  # dropout in 
 def _trainer(devices: int, strategy: dict, max_steps: int, callbacks=(), **kwargs) -> L.Trainer:
     from lightning_gpipe import GPipeStrategy
 
-    return L.Trainer(strategy=GPipeStrategy(**{"chunks": 2, **strategy}), devices=devices,
-                     **M.trainer_kwargs(max_steps=max_steps, callbacks=list(callbacks),
-                                        enable_checkpointing=bool(callbacks), **kwargs))
+    return L.Trainer(
+        strategy=GPipeStrategy(**{"chunks": 2, **strategy}),
+        devices=devices,
+        **M.trainer_kwargs(
+            max_steps=max_steps, callbacks=list(callbacks), enable_checkpointing=bool(callbacks), **kwargs
+        ),
+    )
 
 
 def _weights(model: L.LightningModule) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run(devices: int, optimizer: str, shuffle: bool = True, strategy: dict | None = None, random: bool = True,
-        max_steps: int = STEPS, ckpt_path: str | None = None, save_every: int = 0, directory: str = "",
-        seed: int = 0, frozen: bool = False) -> dict[str, Any]:
+def run(
+    devices: int,
+    optimizer: str,
+    shuffle: bool = True,
+    strategy: dict | None = None,
+    random: bool = True,
+    max_steps: int = STEPS,
+    ckpt_path: str | None = None,
+    save_every: int = 0,
+    directory: str = "",
+    seed: int = 0,
+    frozen: bool = False,
+) -> dict[str, Any]:
     """Train (or resume) and return the weights; ``save_every`` keeps a checkpoint every that many steps.
 
     ``frozen``: the first layer's weight gets no gradient (so Adam keeps no state for it). ``warned``:
@@ -44,21 +57,31 @@ def run(devices: int, optimizer: str, shuffle: bool = True, strategy: dict | Non
         model.backbone[0].weight.requires_grad_(False)
     callbacks = []
     if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every,
-                                         save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)
+        )
     trainer = _trainer(devices, strategy or {}, max_steps, callbacks)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, M.loader(shuffle=shuffle), ckpt_path=ckpt_path)
-    return {"weights": _weights(model), "losses": list(model.losses),
-            "warned": [str(w.message) for w in caught if "random streams" in str(w.message)]}
+    return {
+        "weights": _weights(model),
+        "losses": list(model.losses),
+        "warned": [str(w.message) for w in caught if "random streams" in str(w.message)],
+    }
 
 
 def save_for_repartition(rank: int, world_size: int, directory: str) -> None:
     """K stages write step-3 checkpoints (mid-epoch), full and sharded, for another K to resume."""
     for kind in ("full", "sharded"):
-        run(world_size, "adam", strategy={"state_dict_type": kind}, max_steps=3, save_every=3,
-            directory=os.path.join(directory, f"{kind}-k{world_size}"))
+        run(
+            world_size,
+            "adam",
+            strategy={"state_dict_type": kind},
+            max_steps=3,
+            save_every=3,
+            directory=os.path.join(directory, f"{kind}-k{world_size}"),
+        )
 
 
 def resume_everything(rank: int, world_size: int, directory: str, one_device_ckpt: str) -> dict[str, Any]:
@@ -70,24 +93,39 @@ def resume_everything(rank: int, world_size: int, directory: str, one_device_ckp
             where = os.path.join(directory, f"{optimizer}-{stop}")
             run(world_size, optimizer, max_steps=stop, save_every=stop, directory=where)
             # a different seed: everything that matters must come from the checkpoint
-            out[f"resumed {optimizer} at {stop}"] = run(world_size, optimizer, seed=1,
-                                                        ckpt_path=os.path.join(where, f"step={stop}.ckpt"))
+            out[f"resumed {optimizer} at {stop}"] = run(
+                world_size, optimizer, seed=1, ckpt_path=os.path.join(where, f"step={stop}.ckpt")
+            )
     for kind in ("full", "sharded"):
         path = os.path.join(directory, f"{kind}-k3", "step=3.ckpt")
-        out[f"from k3 {kind}"] = run(world_size, "adam", seed=1, ckpt_path=path,
-                                     strategy={"state_dict_type": kind, "balance": [3, 6]})
+        out[f"from k3 {kind}"] = run(
+            world_size, "adam", seed=1, ckpt_path=path, strategy={"state_dict_type": kind, "balance": [3, 6]}
+        )
     # another chunks and an explicit other seed: the dropout masks change, which rank 0 says once
-    out["other chunks and seed"] = run(world_size, "adam", seed=1, ckpt_path=os.path.join(directory, "adam-3", "step=3.ckpt"),
-                                       strategy={"chunks": 4, "seed": 5})
+    out["other chunks and seed"] = run(
+        world_size,
+        "adam",
+        seed=1,
+        ckpt_path=os.path.join(directory, "adam-3", "step=3.ckpt"),
+        strategy={"chunks": 4, "seed": 5},
+    )
     for optimizer, frozen in (("sgd-plain", False), ("adam", True)):  # parameters without optimizer state
         where = os.path.join(directory, f"no-state-{optimizer}")
         out[f"no state {optimizer} straight"] = run(world_size, optimizer, frozen=frozen)
-        run(world_size, optimizer, frozen=frozen, max_steps=3, save_every=3, directory=where,
-            strategy={"state_dict_type": "sharded"})
+        run(
+            world_size,
+            optimizer,
+            frozen=frozen,
+            max_steps=3,
+            save_every=3,
+            directory=where,
+            strategy={"state_dict_type": "sharded"},
+        )
         path = os.path.join(where, "step=3.ckpt")
         out[f"no state {optimizer} resumed"] = run(world_size, optimizer, frozen=frozen, seed=1, ckpt_path=path)
         if rank == 0:
             from lightning_gpipe.checkpointing.files import consolidate
+
             saved = consolidate(path)["optimizer_states"][0]  # named; DCP drops an empty state dict
             out[f"no state {optimizer} saved"] = sorted(saved.get("state", {}))
     out["from one device"] = run(world_size, "adam", shuffle=False, random=False, seed=1, ckpt_path=one_device_ckpt)
@@ -106,8 +144,10 @@ def mismatched_resumes(rank: int, world_size: int, directory: str) -> dict[str, 
     import torch.nn as nn
 
     out: dict[str, Any] = {}
-    variants = {"one more layer": lambda b: b.append(nn.Linear(8, 8)),
-                "one layer fewer": lambda b: b.__delitem__(1)}  # every later layer's index shifts
+    variants = {
+        "one more layer": lambda b: b.append(nn.Linear(8, 8)),
+        "one layer fewer": lambda b: b.__delitem__(1),
+    }  # every later layer's index shifts
     for kind in ("full", "sharded"):
         path = os.path.join(directory, f"{kind}-k3", "step=3.ckpt")
         for name, change in variants.items():
@@ -130,15 +170,25 @@ def mismatched_resumes(rank: int, world_size: int, directory: str) -> dict[str, 
     return out
 
 
-def one_device(optimizer: str, max_steps: int, ckpt_path: str | None = None, save_every: int = 0,
-               directory: str = "", seed: int = 0) -> dict[str, Any]:
+def one_device(
+    optimizer: str,
+    max_steps: int,
+    ckpt_path: str | None = None,
+    save_every: int = 0,
+    directory: str = "",
+    seed: int = 0,
+) -> dict[str, Any]:
     """The same training with Lightning's default strategy, without this package's strategy."""
     L.seed_everything(seed, verbose=False)
     model = M.Net(optimizer)
-    callbacks = [ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every,
-                                 save_top_k=-1)] if save_every else []
-    trainer = L.Trainer(devices=1, **M.trainer_kwargs(max_steps=max_steps, callbacks=callbacks,
-                                                        enable_checkpointing=bool(callbacks)))
+    callbacks = (
+        [ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)]
+        if save_every
+        else []
+    )
+    trainer = L.Trainer(
+        devices=1, **M.trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(callbacks))
+    )
     trainer.fit(model, M.loader(shuffle=False), ckpt_path=ckpt_path)
     return {"weights": _weights(model)}
 
@@ -166,10 +216,13 @@ def sabotaged_fit(rank: int, world_size: int, victim: int, how: str) -> None:
     L.seed_everything(0, verbose=False)
     model = M.Net()
     balance = [2, 3, 2][:world_size] if world_size == 3 else [4, 3]
-    model.backbone.insert(sum(balance[:victim + 1]), Sabotage(victim, how))
+    model.backbone.insert(sum(balance[: victim + 1]), Sabotage(victim, how))
     balance[victim] += 1
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, balance=balance, failure_timeout=3.0, watchdog_grace=2.0),
-                        devices=world_size, **M.trainer_kwargs(max_steps=20))
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2, balance=balance, failure_timeout=3.0, watchdog_grace=2.0),
+        devices=world_size,
+        **M.trainer_kwargs(max_steps=20),
+    )
     trainer.fit(model, M.loader())
 
 
@@ -191,9 +244,11 @@ def crash_while_saving(rank: int, world_size: int, directory: str) -> None:
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    callback = ModelCheckpoint(dirpath=directory, filename="last", every_n_train_steps=2,
-                               enable_version_counter=False)
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, failure_timeout=5.0, watchdog_grace=2.0), devices=world_size,
-                        plugins=[CrashingIO()], **M.trainer_kwargs(max_steps=6, callbacks=[callback],
-                                                                    enable_checkpointing=True))
+    callback = ModelCheckpoint(dirpath=directory, filename="last", every_n_train_steps=2, enable_version_counter=False)
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2, failure_timeout=5.0, watchdog_grace=2.0),
+        devices=world_size,
+        plugins=[CrashingIO()],
+        **M.trainer_kwargs(max_steps=6, callbacks=[callback], enable_checkpointing=True),
+    )
     trainer.fit(M.Net(), M.loader())

@@ -11,11 +11,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
-import torch
-
 import _balance_workers
 import _models as M
+import lightning as L
+import torch
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,10 @@ def checkpoint_during_fit(devices: int) -> dict[str, Any]:
     kwargs = M.trainer_kwargs(enable_checkpointing=True, callbacks=[checkpoint], max_steps=-1, max_epochs=1)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=devices, **kwargs)
     trainer.fit(model, M.loader())
-    return {"path": checkpoint.best_model_path or os.path.join(directory, "last.ckpt"),
-            "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "path": checkpoint.best_model_path or os.path.join(directory, "last.ckpt"),
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
 _SUMMARIES: list[dict[str, Any]] = []
@@ -130,13 +131,17 @@ def summary_totals(devices: int) -> list[dict[str, Any]]:
     class Recording(ModelSummary):
         @staticmethod
         def summarize(summary_data, total_parameters, trainable_parameters, *args, **kwargs):
-            _SUMMARIES.append({"rows": dict(summary_data), "total": total_parameters,
-                               "trainable": trainable_parameters})
+            _SUMMARIES.append(
+                {"rows": dict(summary_data), "total": total_parameters, "trainable": trainable_parameters}
+            )
 
     model = M.Net()
     model.backbone[0].weight.requires_grad_(False)
-    trainer = L.Trainer(strategy=GPipeStrategy(), devices=devices,
-                        **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording()]))
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(),
+        devices=devices,
+        **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording()]),
+    )
     trainer.fit(model, M.loader())
     return list(_SUMMARIES)
 
@@ -147,7 +152,7 @@ def too_many_stages(devices: int) -> str:
     from lightning_gpipe import GPipeStrategy
 
     model = M.Net()
-    model.backbone = nn.Sequential(*list(model.backbone)[:devices - 1])
+    model.backbone = nn.Sequential(*list(model.backbone)[: devices - 1])
     trainer = L.Trainer(strategy=GPipeStrategy(), devices=devices, **M.trainer_kwargs())
     try:
         trainer.fit(model, M.loader())
@@ -178,8 +183,9 @@ def failing_fit(rank: int, world_size: int, failing_rank: int) -> None:
     L.seed_everything(0, verbose=False)
     model = M.Net()
     balance = {2: [4, 3], 3: [2, 3, 2]}[world_size]
-    model.backbone.insert(sum(balance[:failing_rank + 1]), Boom(failing_rank, call=3))
+    model.backbone.insert(sum(balance[: failing_rank + 1]), Boom(failing_rank, call=3))
     balance[failing_rank] += 1
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=1, balance=balance), devices=world_size,
-                        **M.trainer_kwargs(max_steps=20))
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=1, balance=balance), devices=world_size, **M.trainer_kwargs(max_steps=20)
+    )
     trainer.fit(model, M.loader())

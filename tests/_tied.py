@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
-
 import _models as M
+import lightning as L
 from _sweeps import Config
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 
 #: Splits of the 7-layer tied backbone: with K=2 both ties span stages 0 and 1; with K=3 the weight
 #: tie spans stages 0 and 2 (first and last) and the bias tie stages 1 and 2 (two holder groups).
@@ -17,11 +16,19 @@ BALANCE = {2: [3, 4], 3: [2, 2, 3]}
 
 CONFIGS = [
     Config("sgd", strategy=(("chunks", 2),)),
-    Config("adam checkpoint=always", model=(("optimizer", "adam"),), strategy=(("chunks", 3), ("checkpoint", "always"))),
-    Config("sgd accumulation and clipping", strategy=(("chunks", 2),),
-           trainer=(("accumulate_grad_batches", 2), ("gradient_clip_val", 0.05))),
-    Config("adam manual, two backward passes a step, clipping", model=(("optimizer", "adam"), ("manual", True)),
-           strategy=(("chunks", 2),)),
+    Config(
+        "adam checkpoint=always", model=(("optimizer", "adam"),), strategy=(("chunks", 3), ("checkpoint", "always"))
+    ),
+    Config(
+        "sgd accumulation and clipping",
+        strategy=(("chunks", 2),),
+        trainer=(("accumulate_grad_batches", 2), ("gradient_clip_val", 0.05)),
+    ),
+    Config(
+        "adam manual, two backward passes a step, clipping",
+        model=(("optimizer", "adam"), ("manual", True)),
+        strategy=(("chunks", 2),),
+    ),
 ]
 SAME_LAYER = Config("same layer twice on one stage", model=(("same_layer_twice", True),), strategy=(("chunks", 2),))
 RESUME_DATA = dict(shuffle=False)
@@ -47,10 +54,16 @@ def fit(config: Config, devices: int, data: dict | None = None, **trainer: Any) 
     copies = _Copies()
     kwargs = M.trainer_kwargs(**{**dict(config.trainer), **trainer})
     kwargs["callbacks"] = [copies, *kwargs.get("callbacks", [])]
-    record = M.fit_record(model, L.Trainer(strategy=GPipeStrategy(balance=balance, **dict(config.strategy)),
-                                           devices=devices, **kwargs), M.loader(**(data or {})))
-    tied = (model.backbone[1] is model.backbone[3]) if dict(config.model).get("same_layer_twice") \
+    record = M.fit_record(
+        model,
+        L.Trainer(strategy=GPipeStrategy(balance=balance, **dict(config.strategy)), devices=devices, **kwargs),
+        M.loader(**(data or {})),
+    )
+    tied = (
+        (model.backbone[1] is model.backbone[3])
+        if dict(config.model).get("same_layer_twice")
         else M.is_tied(model.backbone)
+    )
     record.update(tied_after_fit=tied, names=copies.names, devices=copies.devices)
     return record
 
@@ -82,8 +95,11 @@ def _summary(devices: int) -> int:
         def summarize(summary_data, total_parameters, *args, **kwargs):
             seen.append(total_parameters)
 
-    trainer = L.Trainer(strategy=GPipeStrategy(balance=BALANCE[devices]), devices=devices,
-                        **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording()]))
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(balance=BALANCE[devices]),
+        devices=devices,
+        **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording()]),
+    )
     trainer.fit(M.TiedNet(), M.loader())
     return seen[0] if seen else -1  # printed on rank 0 only
 
@@ -109,11 +125,14 @@ def _resume(config: Config, devices: int, path: str) -> dict[str, Any]:
 
     L.seed_everything(1, verbose=False)
     model = M.TiedNet(**dict(config.model))
-    trainer = L.Trainer(strategy=GPipeStrategy(balance=BALANCE[devices], **dict(config.strategy)), devices=devices,
-                        **M.trainer_kwargs())
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(balance=BALANCE[devices], **dict(config.strategy)), devices=devices, **M.trainer_kwargs()
+    )
     trainer.fit(model, M.loader(**RESUME_DATA), ckpt_path=path)
-    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "tied": M.is_tied(model.backbone)}
+    return {
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "tied": M.is_tied(model.backbone),
+    }
 
 
 def diverging(rank: int, world_size: int) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import random
 
+import _models as M
+import _sweeps
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, IterableDataset
-
-import _models as M
-import _sweeps
 
 
 class SamplePredictions(Callback):
@@ -34,8 +33,9 @@ class SamplePredictions(Callback):
 def _fit(model, devices, callbacks=(), data=None, **kwargs) -> None:
     from lightning_gpipe import GPipeStrategy
 
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=devices,
-                        **M.trainer_kwargs(callbacks=list(callbacks), **kwargs))
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2), devices=devices, **M.trainer_kwargs(callbacks=list(callbacks), **kwargs)
+    )
     trainer.fit(model, data if data is not None else M.loader())
 
 
@@ -56,8 +56,13 @@ def failing_stage_with_on_exception_checkpoint(rank: int, world_size: int, path:
     L.seed_everything(0, verbose=False)
     model = M.Net()
     model.backbone.append(_sweeps.Boom(rank=1, call=3))
-    _fit(model, world_size, [OnExceptionCheckpoint(os.path.dirname(path), os.path.basename(path)[:-5])],
-         max_steps=20, enable_checkpointing=True)
+    _fit(
+        model,
+        world_size,
+        [OnExceptionCheckpoint(os.path.dirname(path), os.path.basename(path)[:-5])],
+        max_steps=20,
+        enable_checkpointing=True,
+    )
 
 
 class NoisyDigits(Dataset):

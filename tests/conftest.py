@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+import _sweeps
 import pytest
 
-import _sweeps
 from lightning_gpipe.launch import run_ok
 
 

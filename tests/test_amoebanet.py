@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightning_gpipe.models import amoebanetd
 from lightning_gpipe.models.operations import FactorizedReduce
 
@@ -56,11 +57,14 @@ def test_odd_feature_map_at_a_reduction_names_the_image_size_rule():
         model(torch.randn(2, 3, 10, 10))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_layers=4), "num_layers.*multiple of 3"),
-    (dict(num_filters=12), "num_filters.*multiple of 8"),
-    (dict(stem="cifar"), "stem.*'imagenet' or 'small'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_layers=4), "num_layers.*multiple of 3"),
+        (dict(num_filters=12), "num_filters.*multiple of 8"),
+        (dict(stem="cifar"), "stem.*'imagenet' or 'small'"),
+    ],
+)
 def test_bad_sizes_raise_errors_that_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         amoebanetd(**{"num_classes": 10, "num_layers": 3, "num_filters": 8, **kwargs})

@@ -6,15 +6,15 @@ import contextlib
 import logging
 import re
 
+import _models as M
+import _sweeps
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-
-import _models as M
-import _sweeps
-from lightning_gpipe import GPipeStrategy, balance
 from test_fidelity import assert_same_training
+
+from lightning_gpipe import GPipeStrategy, balance
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -37,10 +37,13 @@ def test_rank_0_measures_once_and_every_rank_builds_that_split(pipeline_runs):
 def test_the_chosen_split_is_logged_on_rank_0_as_a_table(pipeline_runs):
     first, second = (r["measured balance"] for r in pipeline_runs(2))
     log = "\n".join(first["time"]["log"])
-    assert ("Profiled `backbone` layer by layer on cpu with a micro-batch of 4 samples from the first batch of "
-            "the train dataloader") in log
-    assert "GPipe split of `backbone` into 2 stages by balance='time':\n| stage | layers | params | time | memory |" \
-        in log
+    assert (
+        "Profiled `backbone` layer by layer on cpu with a micro-batch of 4 samples from the first batch of "
+        "the train dataloader"
+    ) in log
+    assert (
+        "GPipe split of `backbone` into 2 stages by balance='time':\n| stage | layers | params | time | memory |" in log
+    )
     rows = re.findall(r"^\| (\d) \| (\d+)(?:-(\d+))? \| ([\d,]+) \| ([\d.]+)% \| ([\d.]+)% \|$", log, re.MULTILINE)
     assert [int(r[0]) for r in rows] == [0, 1]
     sizes = [int(r[2] or r[1]) - int(r[1]) + 1 for r in rows]
@@ -54,8 +57,9 @@ def test_the_chosen_split_is_logged_on_rank_0_as_a_table(pipeline_runs):
 def test_a_layer_that_fails_during_profiling_is_named_on_every_rank(pipeline_runs):
     for rank_results in pipeline_runs(2):
         message = rank_results["measured balance"]["failing layer"]
-        assert message.startswith("RuntimeError: Profiling layer 3 (Broken) of the backbone failed with RuntimeError: "
-                                  "this layer is broken"), message
+        assert message.startswith(
+            "RuntimeError: Profiling layer 3 (Broken) of the backbone failed with RuntimeError: this layer is broken"
+        ), message
 
 
 @contextlib.contextmanager
@@ -88,10 +92,13 @@ class Manual(M.Net):
 
 def test_no_sample_for_balance_time_is_a_clear_error():
     trainer = L.Trainer(strategy=GPipeStrategy(balance="time"), devices=1, **M.trainer_kwargs(max_steps=1))
-    with pytest.raises(ValueError, match=r"needs a sample micro-batch, but none could be taken: `training_step` on the "
-                                         r"first batch of the train dataloader did not call `self.backbone` "
-                                         r"\(AttributeError: .*\); `Manual.example_input_array` is not set\. Set "
-                                         r"`self.example_input_array`.*or use balance='params'"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a sample micro-batch, but none could be taken: `training_step` on the "
+        r"first batch of the train dataloader did not call `self.backbone` "
+        r"\(AttributeError: .*\); `Manual.example_input_array` is not set\. Set "
+        r"`self.example_input_array`.*or use balance='params'",
+    ):
         trainer.fit(Manual(), M.loader())
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from unittest import mock
 
+import _batchnorm_workers as W
 import pytest
 import torch
 from torch import nn
 
-import _batchnorm_workers as W
-from lightning_gpipe.launch import run_ok
 from lightning_gpipe import DeferredBatchNorm, GPipe
+from lightning_gpipe.launch import run_ok
 
 
 def deferred_copy(norm: nn.modules.batchnorm._BatchNorm, chunks: int) -> DeferredBatchNorm:

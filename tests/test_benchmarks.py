@@ -11,8 +11,28 @@ import math
 
 from _scripts import run_script
 
-TINY = ["--device", "cpu", "--amoebanet-layers", "3", "--amoebanet-filters", "8", "--image", "8", "--blocks", "2",
-        "--width", "16", "--sequence", "4", "--batch-size", "8", "--warmup", "0", "--steps", "1"]
+TINY = [
+    "--device",
+    "cpu",
+    "--amoebanet-layers",
+    "3",
+    "--amoebanet-filters",
+    "8",
+    "--image",
+    "8",
+    "--blocks",
+    "2",
+    "--width",
+    "16",
+    "--sequence",
+    "4",
+    "--batch-size",
+    "8",
+    "--warmup",
+    "0",
+    "--steps",
+    "1",
+]
 MODELS = ("amoebanet", "transformer")
 
 
@@ -36,10 +56,16 @@ def test_speed_has_a_cell_per_model_stage_count_and_micro_batch_count_beside_its
 
 def test_peers_measure_every_alternative_on_the_same_model(tmp_path):
     output, result = _run(tmp_path, "peers", *TINY, "--stages", "2", "--chunks", "2", "--rounds", "1")
-    variants = {"gpipe engine, checkpoint=never", "gpipe engine, checkpoint=except_last",
-                "gpipe Trainer, checkpoint=except_last", "torch.distributed.pipelining ScheduleGPipe",
-                "torch.distributed.pipelining Schedule1F1B", "one process, 1 thread", "one process, 2 threads",
-                "Lightning DDP, 2 processes"}
+    variants = {
+        "gpipe engine, checkpoint=never",
+        "gpipe engine, checkpoint=except_last",
+        "gpipe Trainer, checkpoint=except_last",
+        "torch.distributed.pipelining ScheduleGPipe",
+        "torch.distributed.pipelining Schedule1F1B",
+        "one process, 1 thread",
+        "one process, 2 threads",
+        "Lightning DDP, 2 processes",
+    }
     for model in MODELS:
         rows = {r["variant"]: r for r in result["rows"] if r["model"] == model}
         assert set(rows) == variants
@@ -49,12 +75,40 @@ def test_peers_measure_every_alternative_on_the_same_model(tmp_path):
 
 
 def test_memory_reports_every_mode_and_k_and_the_largest_model_under_the_cap(tmp_path):
-    _, result = _run(tmp_path, "memory", "--device", "cpu", "--stages", "1", "2", "--chunks", "2", "--batch-size", "8",
-                     "--amoebanet-layers", "3", "--amoebanet-filters", "8", "--image", "8", "--largest-filters", "8",
-                     "--largest-image", "8", "--largest-batch", "4", "--largest-chunks", "2", "--max-layers", "12",
-                     "--cap-mib", "100000")
+    _, result = _run(
+        tmp_path,
+        "memory",
+        "--device",
+        "cpu",
+        "--stages",
+        "1",
+        "2",
+        "--chunks",
+        "2",
+        "--batch-size",
+        "8",
+        "--amoebanet-layers",
+        "3",
+        "--amoebanet-filters",
+        "8",
+        "--image",
+        "8",
+        "--largest-filters",
+        "8",
+        "--largest-image",
+        "8",
+        "--largest-batch",
+        "4",
+        "--largest-chunks",
+        "2",
+        "--max-layers",
+        "12",
+        "--cap-mib",
+        "100000",
+    )
     assert {(r["stages"], r["checkpoint"]) for r in result["by_mode"]} == {
-        (k, m) for k in (1, 2) for m in ("never", "except_last", "always")}
+        (k, m) for k in (1, 2) for m in ("never", "except_last", "always")
+    }
     assert all(len(r["peaks"]) == r["stages"] and r["peak"] == max(r["peaks"]) for r in result["by_mode"])
     rows = {(r["stages"], r["chunks"], r["checkpoint"]): r for r in result["largest"]}
     assert set(rows) == {(1, 1, "never"), (1, 2, "always"), (2, 2, "always")}  # naive-1, pipeline-1, pipeline-2
@@ -80,8 +134,22 @@ def test_balance_benchmark_compares_the_uniform_params_and_time_splits(tmp_path)
 
 
 def test_monitor_overhead_benchmark_measures_with_and_without_the_monitor(tmp_path):
-    _, result = _run(tmp_path, "monitor_overhead", "--steps", "4", "--warmup", "1", "--repeats", "1",
-                     "--batch-size", "8", "--chunks", "2", "--trace-dir", str(tmp_path))
+    _, result = _run(
+        tmp_path,
+        "monitor_overhead",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--batch-size",
+        "8",
+        "--chunks",
+        "2",
+        "--trace-dir",
+        str(tmp_path),
+    )
     assert [r["log_every_n_steps"] for r in result["results"]] == [50, 1]
     assert all(r["self_cpu_fraction"] > 0 for r in result["results"])
 

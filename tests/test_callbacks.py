@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import _models as M
 import lightning as L
 import pytest
-
-import _models as M
-from lightning_gpipe.launch import run_ok
 from _monitor_workers import monitored_fit
+
 from lightning_gpipe import PipelineMonitor
 from lightning_gpipe.engine.schedule import bubble_fraction
+from lightning_gpipe.launch import run_ok
 
 #: K -> (chunks, checkpoint mode, traced steps)
 SETUPS = {2: (4, "except_last", [1, 3]), 3: (3, "always", [2])}
@@ -43,8 +43,13 @@ def test_trace_holds_one_box_per_stage_micro_batch_and_pass(monitored, stages):
     recomputed = chunks if checkpoint == "always" else chunks - 1
     expected = {}
     for step in steps:
-        expected.update({(step, "forward"): stages * chunks, (step, "backward"): stages * chunks,
-                         (step, "recompute"): stages * recomputed})
+        expected.update(
+            {
+                (step, "forward"): stages * chunks,
+                (step, "backward"): stages * chunks,
+                (step, "recompute"): stages * recomputed,
+            }
+        )
     assert counts == expected
     cells = Counter((e["args"]["step"], e["cat"], e["tid"], e["args"]["micro_batch"]) for e in _boxes(trace))
     assert set(cells.values()) == {1}  # exactly one box per (step, pass, stage, micro-batch)
@@ -54,8 +59,10 @@ def test_trace_holds_one_box_per_stage_micro_batch_and_pass(monitored, stages):
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_boxes_follow_the_fill_drain_order_across_processes(monitored, stages):
-    boxes = {(e["args"]["step"], e["cat"], e["tid"], e["args"]["micro_batch"]): (e["ts"], e["ts"] + e["dur"])
-             for e in _boxes(monitored(stages)[0]["trace"])}
+    boxes = {
+        (e["args"]["step"], e["cat"], e["tid"], e["args"]["micro_batch"]): (e["ts"], e["ts"] + e["dur"])
+        for e in _boxes(monitored(stages)[0]["trace"])
+    }
     checked = 0
     for (step, kind, stage, micro), (start, _) in boxes.items():
         previous = {"forward": stage - 1, "backward": stage + 1}.get(kind)  # recompute carries no dependency
@@ -102,7 +109,7 @@ def test_rank_0_prints_a_per_stage_table_and_writes_a_png(monitored):
     assert lines[0].startswith("PipelineMonitor: 3 stages x 3 micro-batches")
     assert [line.split("|")[1].strip() for line in lines[3:6]] == ["0", "1", "2"]
     assert lines[-1].startswith("bubble: measured") and f"{bubble_fraction(3, 3):.3f}" in lines[-1]
-    for stage, values in result["summary"].items():
+    for values in result["summary"].values():
         assert 0 < values["utilization"] <= 1
         total = values["forward"] + values["recompute"] + values["backward"] + values["wait"] + values["idle"]
         assert total == pytest.approx(values["step"], rel=1e-6)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 
+import _models as M
+import _resume as R
 import pytest
 import torch
 
-import _models as M
-import _resume as R
-from lightning_gpipe.launch import run_ok, run_processes
 from lightning_gpipe.checkpointing.files import consolidate
+from lightning_gpipe.launch import run_ok, run_processes
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +106,12 @@ def test_a_checkpoint_of_another_backbone_fails_on_every_rank_naming_missing_and
             assert "unexpected keys []" in more
             fewer = rank_results[f"{kind} one layer fewer"]
             # layer 1 (a Tanh) removed: the Linear layers 3, 5, 8 become 2, 4, 7
-            assert fewer is not None and "missing keys ['backbone.2.weight', 'backbone.2.bias', 'backbone.4.weight', " \
-                "'backbone.4.bias', 'backbone.7.weight', 'backbone.7.bias']" in fewer, fewer
+            assert (
+                fewer is not None
+                and "missing keys ['backbone.2.weight', 'backbone.2.bias', 'backbone.4.weight', "
+                "'backbone.4.bias', 'backbone.7.weight', 'backbone.7.bias']"
+                in fewer
+            ), fewer
             assert "unexpected keys ['backbone.3.weight', 'backbone.3.bias', 'backbone.5.weight'" in fewer, fewer
             loose = rank_results[f"{kind} not strict"]
             full = torch.load(os.path.join(runs["directory"], "full-k3", "step=3.ckpt"), weights_only=True)
@@ -184,9 +188,12 @@ def test_a_failed_sharded_write_removes_its_temporary_directory_and_keeps_the_pr
     with pytest.raises(MetadataError, match=r"checkpoint\['hyper_parameters'\]\['fn'\]"):
         save_sharded({"state_dict": {"w": torch.zeros(2)}, "hyper_parameters": {"fn": print}}, path, writer=True)
     with pytest.raises(RuntimeError, match="write failed"):
+
         def broken(*args, **kwargs):
             raise RuntimeError("write failed")
+
         import lightning_gpipe.checkpointing.files as C
+
         original, C.save_metadata = C.save_metadata, broken
         try:
             save_sharded({"state_dict": {"w": torch.zeros(2)}, "epoch": 1}, path, writer=True)
@@ -209,9 +216,9 @@ def test_a_successful_write_fsyncs_the_files_then_the_folder_after_the_rename(tm
         C.save_sharded({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, path, writer=True)
     else:
         C.atomic_write(lambda tmp: torch.save({"step": 1}, tmp), path)
-    before, after = synced[:renamed[-1]], synced[renamed[-1]:]
+    before, after = synced[: renamed[-1]], synced[renamed[-1] :]
     assert after == [str(tmp_path)]  # the folder, after the rename
-    files = [p for p in before if os.path.basename(p) not in ("", ) and ".tmp" in p]
+    files = [p for p in before if os.path.basename(p) not in ("",) and ".tmp" in p]
     if sharded:
         assert {os.path.basename(p) for p in files} >= {"meta.json", "meta_tensors.pt", ".metadata", "__0_0.distcp"}
     else:

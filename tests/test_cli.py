@@ -6,29 +6,42 @@ import glob
 import os
 import re
 import sys
-import tomllib
 from unittest import mock
 
 import pytest
+import tomllib
 import torch
-
 from _scripts import ROOT, run_script
+
 from lightning_gpipe.cli import run
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 
 TINY = [  # CPU, one process, FakeData at 64x64, AmoebaNet-D (3, 8), one batch of each split
-    "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true", "--trainer.fast_dev_run=true",
-    "--trainer.strategy.init_args.chunks=2", "--model.num_layers=3", "--model.num_filters=8",
-    "--data.dataset=fake", "--data.image_size=64", "--data.fake_size=64", "--data.batch_size=16",
-    "--data.num_workers=0", "--data.download=false",
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+    "--trainer.precision=32-true",
+    "--trainer.fast_dev_run=true",
+    "--trainer.strategy.init_args.chunks=2",
+    "--model.num_layers=3",
+    "--model.num_filters=8",
+    "--data.dataset=fake",
+    "--data.image_size=64",
+    "--data.fake_size=64",
+    "--data.batch_size=16",
+    "--data.num_workers=0",
+    "--data.download=false",
 ]
 
 
 def test_there_are_configs_for_digits_cifar10_and_imagenet_at_224_and_480():
     names = {os.path.basename(c) for c in CONFIGS}
-    assert {"amoebanet_digits.yaml", "amoebanet_cifar10.yaml", "amoebanet_imagenet224.yaml",
-            "amoebanet_imagenet480.yaml"} <= names
+    assert {
+        "amoebanet_digits.yaml",
+        "amoebanet_cifar10.yaml",
+        "amoebanet_imagenet224.yaml",
+        "amoebanet_imagenet480.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
@@ -55,8 +68,12 @@ def _readme_main_command() -> list[str]:
 def _fit(tmp_path, name: str, *overrides: str) -> tuple[str, dict[str, torch.Tensor]]:
     """The README's main command (as ``python -m``: the console script is this module's ``main``)."""
     root = os.path.join(tmp_path, name)
-    args = [*_readme_main_command(), "--trainer.enable_checkpointing=true", f"--trainer.default_root_dir={root}",
-            *overrides]
+    args = [
+        *_readme_main_command(),
+        "--trainer.enable_checkpointing=true",
+        f"--trainer.default_root_dir={root}",
+        *overrides,
+    ]
     # One thread per process in both runs: on the CPU, the number of threads changes the rounding of
     # reductions in convolutions, and Lightning would give 1 process 2 threads but 2 processes 1 each.
     output = run_script("-m", "lightning_gpipe.cli", *args, timeout=600, OMP_NUM_THREADS="1")

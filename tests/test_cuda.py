@@ -7,15 +7,15 @@ there are two.
 
 from __future__ import annotations
 
+import _models as M
+import _sweeps
 import lightning as L
 import pytest
 import torch
 from torch import nn
 
-import _models as M
-import _sweeps
-from lightning_gpipe.launch import run_ok
 from lightning_gpipe import GPipe, PipelineMonitor
+from lightning_gpipe.launch import run_ok
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -80,8 +80,9 @@ def test_recompute_on_the_gpu_replays_the_dropout_masks_of_the_first_forward():
 
 def test_monitor_on_a_gpu_times_with_cuda_events_and_reports_cuda_memory(tmp_path):
     monitor = PipelineMonitor(dirpath=str(tmp_path))
-    trainer = L.Trainer(strategy="gpipe", callbacks=[monitor], **M.trainer_kwargs(accelerator="gpu", devices=1,
-                                                                                    max_steps=4))
+    trainer = L.Trainer(
+        strategy="gpipe", callbacks=[monitor], **M.trainer_kwargs(accelerator="gpu", devices=1, max_steps=4)
+    )
     trainer.fit(M.Net(), M.loader())
     stage = monitor.summary[0]
     assert 0 < stage["utilization"] <= 1

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from _engine_workers import plain_pipeline, reference
 from torch import nn
 
-from _engine_workers import plain_pipeline, reference
-from lightning_gpipe.launch import run_ok
 from lightning_gpipe import GPipe
+from lightning_gpipe.launch import run_ok
 
 
 def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightning():
@@ -25,8 +25,9 @@ def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightnin
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=0)
     # iterating a partitioned backbone would see some layers on some ranks only: refused on every rank
     for rank, layers in enumerate(([0, 1, 2, 3], [4, 5, 6, 7])):
-        assert results[rank]["iteration"].startswith(f"The backbone is partitioned over 2 stages and this process "
-                                                     f"holds only layers {layers} (stage {rank})")
+        assert results[rank]["iteration"].startswith(
+            f"The backbone is partitioned over 2 stages and this process holds only layers {layers} (stage {rank})"
+        )
         assert "local_layers()" in results[rank]["iteration"]
 
 
@@ -58,7 +59,7 @@ def test_checkpoint_always_keeps_only_the_micro_batch_inputs_between_fill_and_dr
     run = out.grad_fn.run  # what the autograd bridge keeps for the drain
     assert all(o is None for o in run.outputs)
     assert [tuple(i.shape) for i in run.inputs] == [(8, 64)] * 4
-    assert all(i.data_ptr() == x[8 * k:].data_ptr() for k, i in enumerate(run.inputs))  # views, not copies
+    assert all(i.data_ptr() == x[8 * k :].data_ptr() for k, i in enumerate(run.inputs))  # views, not copies
 
     never = GPipe(_deep(), chunks=4, checkpoint="never")
     _, saved_never = _saved_bytes(never, x)

@@ -22,11 +22,25 @@ def _checkpoint(path: str) -> dict:
 def test_finetune_example_pretrains_then_finetunes_a_new_head_with_frozen_first_layers(tmp_path):
     import torch
 
-    output = run_script("examples/finetune.py", "--devices", "2", "--pretrain-epochs", "2", "--finetune-epochs", "2",
-                        "--freeze", "2", "--out", str(tmp_path))
+    output = run_script(
+        "examples/finetune.py",
+        "--devices",
+        "2",
+        "--pretrain-epochs",
+        "2",
+        "--finetune-epochs",
+        "2",
+        "--freeze",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     accuracy = float(re.search(r"fine-tuned test accuracy: ([0-9.]+)", output).group(1))
     assert accuracy > 0.8  # digits 5-9; chance is 0.2
-    pretrained, finetuned = _checkpoint(str(tmp_path / "pretrained.ckpt")), _checkpoint(str(tmp_path / "finetuned.ckpt"))
+    pretrained, finetuned = (
+        _checkpoint(str(tmp_path / "pretrained.ckpt")),
+        _checkpoint(str(tmp_path / "finetuned.ckpt")),
+    )
     assert list(pretrained) == list(finetuned)
     for key in pretrained:
         layer = int(key.split(".")[1])
@@ -43,9 +57,23 @@ def test_finetune_example_starts_from_a_torchvision_weights_file(tmp_path):
     torch.manual_seed(0)
     weights = torchvision.models.resnet18(weights=None).state_dict()  # built here: nothing is downloaded
     torch.save(weights, tmp_path / "resnet18.pt")
-    run_script("examples/finetune.py", "--devices", "2", "--torchvision-weights", str(tmp_path / "resnet18.pt"),
-               "--image-size", "32", "--freeze", "5", "--finetune-epochs", "1", "--limit-train-batches", "3",
-               "--out", str(tmp_path))
+    run_script(
+        "examples/finetune.py",
+        "--devices",
+        "2",
+        "--torchvision-weights",
+        str(tmp_path / "resnet18.pt"),
+        "--image-size",
+        "32",
+        "--freeze",
+        "5",
+        "--finetune-epochs",
+        "1",
+        "--limit-train-batches",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
     finetuned = _checkpoint(str(tmp_path / "finetuned.ckpt"))
     # Layer 0 turns gray into RGB; 1 and 2 are conv1 and bn1, frozen: still the file's tensors.
     assert torch.equal(finetuned["backbone.1.weight"], weights["conv1.weight"])

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import _sweeps
 import pytest
 
-import _sweeps
 from lightning_gpipe.launch import run_processes
 
 
@@ -18,4 +18,6 @@ def test_an_exception_in_one_stage_ends_every_rank_within_seconds(stages, failin
     for rank in range(stages):
         if rank != failing:
             assert outcome.errors[rank].startswith("PipelineError"), outcome.errors[rank]
-            assert f"stage {failing} (rank {failing}) failed: RuntimeError: boom on rank {failing}" in outcome.errors[rank]
+            assert (
+                f"stage {failing} (rank {failing}) failed: RuntimeError: boom on rank {failing}" in outcome.errors[rank]
+            )

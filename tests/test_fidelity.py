@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import _models as M
 import _sweeps
+import pytest
+import torch
 
 
 def _merged_grads(runs, name):
@@ -21,17 +20,32 @@ def assert_same_training(runs, name, reference, atol):
     for rank, rank_results in enumerate(runs):
         got = rank_results[name]
         assert len(got["losses"]) == len(reference["losses"])
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), atol=atol, rtol=0,
-                                   msg=lambda m: f"{name}, rank {rank}, losses: {m}")
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]),
+            torch.tensor(reference["losses"]),
+            atol=atol,
+            rtol=0,
+            msg=lambda m: f"{name}, rank {rank}, losses: {m}",
+        )
         assert set(got["weights"]) == set(reference["weights"])  # the whole model is back on every rank
         for key, value in reference["weights"].items():
-            torch.testing.assert_close(got["weights"][key].float(), value.float(), atol=atol, rtol=0,
-                                       msg=lambda m: f"{name}, rank {rank}, weight {key}: {m}")
+            torch.testing.assert_close(
+                got["weights"][key].float(),
+                value.float(),
+                atol=atol,
+                rtol=0,
+                msg=lambda m: f"{name}, rank {rank}, weight {key}: {m}",
+            )
     grads = _merged_grads(runs, name)
     assert set(grads) == set(reference["grads"])
     for key, value in reference["grads"].items():
-        torch.testing.assert_close(grads[key].float(), value.float(), atol=atol, rtol=0,
-                                   msg=lambda m: f"{name}, first-step gradient of {key}: {m}")
+        torch.testing.assert_close(
+            grads[key].float(),
+            value.float(),
+            atol=atol,
+            rtol=0,
+            msg=lambda m: f"{name}, first-step gradient of {key}: {m}",
+        )
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -43,8 +57,9 @@ def test_each_rank_optimizes_only_its_stage_and_the_layers_outside_the_backbone(
     assert sum(len(s) for s in stage_params) == len(set.union(*stage_params))  # no layer on two ranks
     assert set.union(*optimized) == set(everything)
     for names in optimized:
-        assert {n for n in names if not n.startswith("backbone.")} == {n for n in everything
-                                                                          if not n.startswith("backbone.")}
+        assert {n for n in names if not n.startswith("backbone.")} == {
+            n for n in everything if not n.startswith("backbone.")
+        }
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -55,10 +70,12 @@ def test_every_chunks_checkpoint_mode_and_optimizer_matches_one_device(stages, p
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("name", ["stem before the backbone", "norm clipping", "gradient accumulation",
-                                  "explicit uneven balance"])
+@pytest.mark.parametrize(
+    "name", ["stem before the backbone", "norm clipping", "gradient accumulation", "explicit uneven balance"]
+)
 def test_layers_outside_the_backbone_clipping_accumulation_and_uneven_splits_match_one_device(
-        stages, name, pipeline_runs, reference_run):
+    stages, name, pipeline_runs, reference_run
+):
     config = next(c for c in _sweeps.EXTRAS if c.name == name)
     assert_same_training(pipeline_runs(stages), name, reference_run(config), atol=1e-6)
 

@@ -10,7 +10,14 @@ import pathlib
 import pytest
 import torch
 
-from lightning_gpipe.checkpointing.metadata import JSON_FILE, MetadataError, decode, encode, load_metadata, save_metadata
+from lightning_gpipe.checkpointing.metadata import (
+    JSON_FILE,
+    MetadataError,
+    decode,
+    encode,
+    load_metadata,
+    save_metadata,
+)
 
 
 class Mode(enum.Enum):
@@ -19,16 +26,37 @@ class Mode(enum.Enum):
 
 def test_lightning_metadata_round_trips_with_tuples_dtypes_paths_enums_and_tensors(tmp_path):
     meta = {
-        "epoch": 1, "global_step": 7, "pytorch-lightning_version": "2.6.6",
+        "epoch": 1,
+        "global_step": 7,
+        "pytorch-lightning_version": "2.6.6",
         "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 2}}}},
-        "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_score": torch.tensor(0.5),
-                                                             "kth_value": float("inf"), "best_k_models": {}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': None}": {
+                "best_model_score": torch.tensor(0.5),
+                "kth_value": float("inf"),
+                "best_k_models": {},
+            }
+        },
         "lr_schedulers": [{"_last_lr": [0.01], "base_lrs": [0.1], "step_size": 2}],
-        "hyper_parameters": {"betas": (0.9, 0.99), "dtype": torch.bfloat16, "root": pathlib.Path("/data"),
-                             "mode": Mode.FAST, "device": torch.device("cpu"), "tags": {"b", "a"},
-                             "raw": b"\x00\x01", "by_int": {3: "three"}, "none": None, "nan": float("nan")},
-        "gpipe": {"calls": 4, "seed": 0, "chunks": 2, "balance": [3, 6],
-                  "loader": {"random_now": {"cpu": torch.get_rng_state()}}},
+        "hyper_parameters": {
+            "betas": (0.9, 0.99),
+            "dtype": torch.bfloat16,
+            "root": pathlib.Path("/data"),
+            "mode": Mode.FAST,
+            "device": torch.device("cpu"),
+            "tags": {"b", "a"},
+            "raw": b"\x00\x01",
+            "by_int": {3: "three"},
+            "none": None,
+            "nan": float("nan"),
+        },
+        "gpipe": {
+            "calls": 4,
+            "seed": 0,
+            "chunks": 2,
+            "balance": [3, 6],
+            "loader": {"random_now": {"cpu": torch.get_rng_state()}},
+        },
     }
     save_metadata(meta, str(tmp_path))
     with open(tmp_path / JSON_FILE) as f:
@@ -42,7 +70,8 @@ def test_lightning_metadata_round_trips_with_tuples_dtypes_paths_enums_and_tenso
     for part in ("epoch", "loops", "lr_schedulers", "hyper_parameters"):
         assert loaded[part] == meta[part], part
     assert type(loaded["hyper_parameters"]["betas"]) is tuple and type(loaded["hyper_parameters"]["root"]) is type(
-        pathlib.Path("/data"))
+        pathlib.Path("/data")
+    )
 
 
 def test_a_value_without_an_encoding_fails_at_save_time_naming_its_key_path(tmp_path):

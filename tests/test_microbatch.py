@@ -64,8 +64,15 @@ def test_fingerprint_tells_apart_another_sample_another_order_a_flip_and_another
     x, y = torch.randn(8, 3, 4, 4, generator=generator), torch.randint(0, 5, (8,), generator=generator)
     reference = microbatch.fingerprint((x, y))
     assert microbatch.fingerprint((x.clone(), y.clone())) == reference  # the same values in other memory
-    others = [(x[torch.randperm(8, generator=generator)], y), (x.flip(-1), y), (x, (y + 1) % 5), (x.double(), y),
-              (x[:7], y[:7]), (x.reshape(8, 48), y), {"x": x}]
+    others = [
+        (x[torch.randperm(8, generator=generator)], y),
+        (x.flip(-1), y),
+        (x, (y + 1) % 5),
+        (x.double(), y),
+        (x[:7], y[:7]),
+        (x.reshape(8, 48), y),
+        {"x": x},
+    ]
     assert len({reference, *(microbatch.fingerprint(b) for b in others)}) == len(others) + 1
 
 

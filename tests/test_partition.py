@@ -18,7 +18,7 @@ def _compositions(n, k):
 def _objective(costs, sizes):
     stage_costs, start = [], 0
     for size in sizes:
-        stage_costs.append(sum(costs[start:start + size]))
+        stage_costs.append(sum(costs[start : start + size]))
         start += size
     return max(stage_costs), sum(c * c for c in stage_costs), sizes
 
@@ -68,7 +68,9 @@ def test_balance_by_params_splits_by_parameter_count():
 
 
 def test_explicit_balance_must_sum_to_the_layer_count():
-    with pytest.raises(ValueError, match=r"`balance=\[2, 2\]` sums to 4 but the backbone has 5 layers.*balance=\[3, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"`balance=\[2, 2\]` sums to 4 but the backbone has 5 layers.*balance=\[3, 2\]"
+    ):
         validate_balance([2, 2], 5, 2)
 
 

@@ -91,8 +91,11 @@ def test_layers_are_moved_to_the_device_one_at_a_time_and_back(monkeypatch):
 
 def test_a_layer_that_fails_is_named_by_index_and_type():
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), Boom(), nn.Linear(3, 3))
-    with pytest.raises(RuntimeError, match=r"Profiling layer 2 \(Boom\) of the backbone failed with RuntimeError: "
-                                           r"broken layer.*`balance`"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"Profiling layer 2 \(Boom\) of the backbone failed with RuntimeError: "
+        r"broken layer.*`balance`",
+    ):
         profile_layers(model, torch.randn(2, 3))
 
 
@@ -114,8 +117,9 @@ def test_tuple_outputs_flow_to_the_next_layer():
         def forward(self, pair):
             return torch.cat(pair, dim=1)
 
-    costs = profile_layers(nn.Sequential(nn.Linear(4, 4), Split(), Join(), nn.Linear(4, 1)), torch.randn(3, 4),
-                           repeats=1)
+    costs = profile_layers(
+        nn.Sequential(nn.Linear(4, 4), Split(), Join(), nn.Linear(4, 1)), torch.randn(3, 4), repeats=1
+    )
     assert len(costs.time) == 4 and costs.params == [20, 0, 0, 5]
 
 

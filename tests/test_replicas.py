@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import _replicas as R
 import pytest
 import torch
 
-import _replicas as R
 from lightning_gpipe.launch import run_ok
 
 
@@ -41,8 +41,9 @@ def test_tied_weights_in_two_replicas_of_two_stages_equal_one_device_on_the_glob
     for rank in range(4):
         for name in ("backbone.0.weight", "backbone.2.bias"):
             if name in runs[rank]["2x2 tied"]["grads"]:
-                torch.testing.assert_close(runs[rank]["2x2 tied"]["grads"][name], reference["grads"][name], atol=1e-6,
-                                           rtol=0)
+                torch.testing.assert_close(
+                    runs[rank]["2x2 tied"]["grads"][name], reference["grads"][name], atol=1e-6, rtol=0
+                )
     # stage 1 holds its copies under the names of its own layers: the same gradients as the canonical ones
     aliases = {"backbone.6.weight": "backbone.0.weight", "backbone.6.bias": "backbone.2.bias"}
     grads = {**runs[0]["2x2 tied"]["grads"], **runs[1]["2x2 tied"]["grads"]}

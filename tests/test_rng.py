@@ -6,7 +6,7 @@ from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
 
 
 def test_layer_seeds_differ_by_every_key_and_repeat_for_the_same_key():
-    seeds = {layer_seed(7, c, m, l) for c in range(4) for m in range(4) for l in range(4)}
+    seeds = {layer_seed(7, c, m, i) for c in range(4) for m in range(4) for i in range(4)}
     assert len(seeds) == 64
     assert layer_seed(7, 1, 2, 3) == layer_seed(7, 1, 2, 3)
     assert all(0 <= s < 2**63 for s in seeds)

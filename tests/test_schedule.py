@@ -21,7 +21,12 @@ def test_fill_drain_runs_forward_in_order_and_backward_in_reverse_with_recompute
     forward, backward = fill_drain(3, "except_last")
     assert [(t.kind, t.micro) for t in forward] == [("forward", 0), ("forward", 1), ("forward", 2)]
     assert [(t.kind, t.micro) for t in backward] == [
-        ("backward", 2), ("recompute", 1), ("backward", 1), ("recompute", 0), ("backward", 0)]
+        ("backward", 2),
+        ("recompute", 1),
+        ("backward", 1),
+        ("recompute", 0),
+        ("backward", 0),
+    ]
 
 
 def test_clock_cycles_form_the_diagonal_of_the_gpipe_figure():

@@ -7,13 +7,13 @@ import subprocess
 import sys
 import textwrap
 
+import _models as M
+import _sweeps
 import lightning as L
 import pytest
 import torch
 from torch import nn
 
-import _models as M
-import _sweeps
 from lightning_gpipe import GPipeStrategy
 
 
@@ -51,8 +51,8 @@ def test_checkpoint_holds_the_whole_model_and_loads_on_one_device_without_this_p
         import sys, torch
         sys.modules["lightning_gpipe"] = None  # this package is not importable here
         import _models as M
-        model = M.Net.load_from_checkpoint({result['path']!r})
-        torch.save(model.state_dict(), {result['path'] + '.loaded'!r})
+        model = M.Net.load_from_checkpoint({result["path"]!r})
+        torch.save(model.state_dict(), {result["path"] + ".loaded"!r})
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
@@ -155,13 +155,16 @@ def test_stage_output_that_is_not_a_tensor():
         _fit(model, GPipeStrategy())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"chunks": 0}, "`chunks` must be a positive integer"),
-    ({"checkpoint": "sometimes"}, "`checkpoint` must be one of"),
-    ({"balance": "fast"}, "`balance` must be a list of layers per stage or 'params'"),
-    ({"pipe_size": 0}, "`pipe_size` must be a positive integer"),
-    ({"backbone": ""}, "`backbone` must name the attribute"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"chunks": 0}, "`chunks` must be a positive integer"),
+        ({"checkpoint": "sometimes"}, "`checkpoint` must be one of"),
+        ({"balance": "fast"}, "`balance` must be a list of layers per stage or 'params'"),
+        ({"pipe_size": 0}, "`pipe_size` must be a positive integer"),
+        ({"backbone": ""}, "`backbone` must name the attribute"),
+    ],
+)
 def test_bad_strategy_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPipeStrategy(**kwargs)

@@ -44,8 +44,10 @@ def _write_cifar(root: str, hundred: bool, per_file: int = 6) -> None:
     label_key, classes = ("fine_labels", 100) if hundred else ("labels", 10)
     files = ["train", "test"] if hundred else [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for name in files:
-        batch = {"data": rng.integers(0, 256, (per_file, 3072), dtype=np.uint8),
-                 label_key: rng.integers(0, classes, per_file).tolist()}
+        batch = {
+            "data": rng.integers(0, 256, (per_file, 3072), dtype=np.uint8),
+            label_key: rng.integers(0, classes, per_file).tolist(),
+        }
         with open(os.path.join(folder, name), "wb") as f:
             pickle.dump(batch, f)
     names = [f"c{i}" for i in range(classes)]
@@ -110,8 +112,14 @@ def test_frozen_layers_keep_their_weights_and_batch_norm_statistics():
     model = _tiny(freeze=2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
-    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
     after = model.state_dict()
     frozen = [k for k in before if k.split(".")[1] in ("0", "1")]
@@ -126,8 +134,9 @@ def test_pretrained_checkpoint_loads_everything_but_the_classifier(tmp_path):
     path = str(tmp_path / "pretrained.ckpt")
     torch.save({"state_dict": source.state_dict()}, path)
     torch.manual_seed(1)
-    target = AmoebaNetClassifier(num_classes=5, num_layers=3, num_filters=8, in_channels=1, stem="small",
-                                 pretrained=path)
+    target = AmoebaNetClassifier(
+        num_classes=5, num_layers=3, num_filters=8, in_channels=1, stem="small", pretrained=path
+    )
     for key, value in source.backbone.state_dict().items():
         if key.startswith("6."):  # the classifier: new, and of another shape
             assert target.backbone.state_dict()[key].shape != value.shape

@@ -7,17 +7,17 @@ import subprocess
 import sys
 import textwrap
 
+import _models as M
+import _tied as T
 import lightning as L
 import pytest
 import torch
 from torch import nn
 
-import _models as M
-import _tied as T
-from lightning_gpipe.launch import run_ok, run_processes
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.checkpointing.optim_state import layout
 from lightning_gpipe.engine.tied import find_ties, refuse_ties_outside
+from lightning_gpipe.launch import run_ok, run_processes
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_tied_weights_across_stages_train_as_on_one_device(stages, config, tied_
     holders = [r for r, results in enumerate(tied_runs(stages)) if results[config.name]["names"]]
     assert holders == [stages - 1]  # only the last stage names its copies differently
     names = tied_runs(stages)[-1][config.name]["names"]
-    assert names == {k[len("backbone."):]: v[len("backbone."):] for k, v in M.TIED_ALIASES.items()}
+    assert names == {k[len("backbone.") :]: v[len("backbone.") :] for k, v in M.TIED_ALIASES.items()}
     assert tied_runs(stages)[-1][config.name]["devices"]["backbone.6.weight"] == "cpu"  # a real copy, not meta
 
 
@@ -86,9 +86,12 @@ def test_the_same_layer_object_twice_on_one_stage_trains_as_on_one_device(tied_r
 def test_the_same_layer_object_on_two_stages_is_refused_naming_the_layers_and_the_fix():
     shared = nn.Linear(4, 4)
     sequential = nn.Sequential(nn.Linear(4, 4), shared, nn.ReLU(), shared)
-    with pytest.raises(ValueError, match=r"Layers \[1, 3\] of the Sequential are the same Linear object, but the split "
-                                         r"\(balance=\[2, 2\]\) puts them on stages \[0, 1\].*Keep them on one stage "
-                                         r"with `balance`.*`second.weight = first.weight`"):
+    with pytest.raises(
+        ValueError,
+        match=r"Layers \[1, 3\] of the Sequential are the same Linear object, but the split "
+        r"\(balance=\[2, 2\]\) puts them on stages \[0, 1\].*Keep them on one stage "
+        r"with `balance`.*`second.weight = first.weight`",
+    ):
         find_ties(sequential, [2, 2])  # GPipe calls it first thing, before any collective
     ties = find_ties(sequential, [1, 3])  # on one stage: an ordinary tie within it
     assert [(t.spots, t.stages) for t in ties] == [(("1.weight", "3.weight"), (1,)), (("1.bias", "3.bias"), (1,))]
@@ -102,29 +105,37 @@ def test_a_parameter_shared_with_a_layer_outside_the_backbone_is_refused_at_setu
     model.head[1].weight = model.backbone[4].weight
     model.head.append(nn.Linear(6, M.CLASSES))
     trainer = L.Trainer(strategy=GPipeStrategy(), devices=1, **M.trainer_kwargs())
-    with pytest.raises(ValueError, match=r"`head.1.weight` outside the backbone is the same tensor as "
-                                         r"`backbone.4.weight`.*Move the layer .* into the `backbone` Sequential"):
+    with pytest.raises(
+        ValueError,
+        match=r"`head.1.weight` outside the backbone is the same tensor as "
+        r"`backbone.4.weight`.*Move the layer .* into the `backbone` Sequential",
+    ):
         trainer.fit(model, M.loader())
     refuse_ties_outside(M.TiedNet(), M.TiedNet().backbone, "backbone.")  # ties inside the backbone are fine
 
 
 def test_copies_of_a_tie_in_different_param_groups_are_refused():
     with pytest.raises(PipelineError, match="'backbone.0.weight' is in param group 0 on one stage and in group 1"):
-        layout([[["backbone.0.weight", "head.1.weight"], []], [["head.1.weight"], ["backbone.0.weight"]]],
-               ["backbone.0.weight", "head.1.weight"])
+        layout(
+            [[["backbone.0.weight", "head.1.weight"], []], [["head.1.weight"], ["backbone.0.weight"]]],
+            ["backbone.0.weight", "head.1.weight"],
+        )
 
 
 def test_copies_that_diverge_raise_a_pipeline_error_naming_the_parameter_and_the_stages():
     outcome = run_processes(T.diverging, 2, timeout=120)
     assert all(code not in (0, None) for code in outcome.exitcodes), outcome.exitcodes
     for rank in range(2):
-        assert outcome.errors[rank].startswith("PipelineError: The copies of the tied parameter `backbone.0.weight` "
-                                               "(`backbone.0.weight`, `backbone.6.weight`) on stages [0, 1] differ: "
-                                               "stage 1 disagree(s) with stage 0"), outcome.errors[rank]
+        assert outcome.errors[rank].startswith(
+            "PipelineError: The copies of the tied parameter `backbone.0.weight` "
+            "(`backbone.0.weight`, `backbone.6.weight`) on stages [0, 1] differ: "
+            "stage 1 disagree(s) with stage 0"
+        ), outcome.errors[rank]
 
 
 def test_a_tied_checkpoint_is_a_one_device_checkpoint_and_resumes_with_another_k_and_on_one_device(
-        tied_runs, directory):
+    tied_runs, directory
+):
     path = tied_runs(2)[0]["checkpoint"]
     checkpoint = torch.load(path, weights_only=False)
     expected = torch.load(T.one_device_checkpoint(directory), weights_only=False)  # the same epoch on one device
@@ -146,8 +157,8 @@ def test_a_tied_checkpoint_is_a_one_device_checkpoint_and_resumes_with_another_k
         import sys, torch, lightning as L
         sys.modules["lightning_gpipe"] = None  # this package is not importable here
         import _models as M
-        for source, target in [({path!r}, {path + '.resumed'!r}), ({path!r}.replace("tied.ckpt", "one-device.ckpt"),
-                                                                  {path + '.expected'!r})]:
+        for source, target in [({path!r}, {path + ".resumed"!r}), ({path!r}.replace("tied.ckpt", "one-device.ckpt"),
+                                                                  {path + ".expected"!r})]:
             model = M.TiedNet.load_from_checkpoint(source, optimizer="adam")
             assert M.is_tied(model.backbone)
             L.seed_everything(1, verbose=False)

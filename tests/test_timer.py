@@ -27,8 +27,9 @@ class Recorder:
         self.calls.append((kind, micro))
 
 
-@pytest.mark.parametrize("checkpoint, recomputed", [("always", [3, 2, 1, 0]), ("except_last", [2, 1, 0]),
-                                                    ("never", [])])
+@pytest.mark.parametrize(
+    "checkpoint, recomputed", [("always", [3, 2, 1, 0]), ("except_last", [2, 1, 0]), ("never", [])]
+)
 def test_engine_reports_every_pass_of_a_training_step(checkpoint, recomputed):
     pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), chunks=4, checkpoint=checkpoint)
     pipe.tracer = recorder = Recorder()
@@ -83,9 +84,19 @@ def test_timer_records_only_inside_steps_and_totals_add_up():
 
 
 def test_derived_metrics_of_a_known_step():
-    record = StepRecord(0, 0.0, 10.0, [Span("fill", -1, 0.0, 4.0), Span("forward", 0, 1.0, 2.0),
-                                       Span("wait", 0, 2.0, 3.0), Span("drain", -1, 5.0, 9.0),
-                                       Span("recompute", 0, 5.0, 6.0), Span("backward", 0, 6.0, 8.0)])
+    record = StepRecord(
+        0,
+        0.0,
+        10.0,
+        [
+            Span("fill", -1, 0.0, 4.0),
+            Span("forward", 0, 1.0, 2.0),
+            Span("wait", 0, 2.0, 3.0),
+            Span("drain", -1, 5.0, 9.0),
+            Span("recompute", 0, 5.0, 6.0),
+            Span("backward", 0, 6.0, 8.0),
+        ],
+    )
     assert derived(record.totals()) == {"idle": 5.0, "utilization": 0.4, "bubble": 0.5}
     assert math.isnan(derived(StepRecord(0, 0.0, 0.0, []).totals())["utilization"])
 

@@ -13,17 +13,17 @@ import sys
 import textwrap
 import time
 
+import _models as M
+import _trust_workers as W
 import lightning as L
 import pytest
 import torch
+from _scripts import LAUNCH_VARIABLES, ROOT
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-import _models as M
-import _trust_workers as W
-from lightning_gpipe.launch import run_processes
-from _scripts import LAUNCH_VARIABLES, ROOT
 from lightning_gpipe import GPipe, GPipeStrategy
+from lightning_gpipe.launch import run_processes
 
 BOUND = 60.0
 
@@ -35,9 +35,14 @@ def _assert_all_ended_with_errors(outcome):
     assert all(outcome.errors), outcome.errors
 
 
-@pytest.mark.parametrize("hook, samples", [("on_train_batch_end", 8), ("on_train_epoch_end", 2)],
-                         ids=["batch of the training size, other rank in Lightning's per-batch broadcast",
-                              "smaller batch, other rank in ModelCheckpoint's save"])
+@pytest.mark.parametrize(
+    "hook, samples",
+    [("on_train_batch_end", 8), ("on_train_epoch_end", 2)],
+    ids=[
+        "batch of the training size, other rank in Lightning's per-batch broadcast",
+        "smaller batch, other rank in ModelCheckpoint's save",
+    ],
+)
 def test_a_rank_zero_only_callback_that_calls_the_model_fails_every_rank_at_once(session_tmp, hook, samples):
     outcome = run_processes(W.rank_zero_callback, 2, hook, samples, timeout=120)
     _assert_all_ended_with_errors(outcome)
@@ -61,16 +66,19 @@ def test_a_failing_stage_under_on_exception_checkpoint_ends_every_rank_with_its_
 def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_with_the_error(tmp_path):
     # Lightning's popen launcher re-runs the script per rank and kills every rank once one dies
     script = tmp_path / "failing.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import _trust_workers as W
         if __name__ == "__main__":
-            W.failing_stage_with_on_exception_checkpoint(0, 2, {str(tmp_path / 'ckpt' / 'on-exception.ckpt')!r})
-    """))
+            W.failing_stage_with_on_exception_checkpoint(0, 2, {str(tmp_path / "ckpt" / "on-exception.ckpt")!r})
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])  # the workers
     start = time.monotonic()
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     seconds = time.monotonic() - start
     assert result.returncode != 0
     assert seconds < BOUND
@@ -83,8 +91,9 @@ def test_stages_with_different_batches_stop_at_the_first_difference_naming_the_s
     outcome = run_processes(W.different_batches, 2, cause, timeout=120)
     _assert_all_ended_with_errors(outcome)
     report = outcome.errors[1]
-    assert report.startswith("PipelineError: stage 0 (rank 0) and stage 1 hold different batches in backbone call"), \
+    assert report.startswith("PipelineError: stage 0 (rank 0) and stage 1 hold different batches in backbone call"), (
         report
+    )
     assert "(made in `training_step`)" in report and "seed_everything" in report and "IterableDataset" in report
     assert "stage 1 (rank 1) reported" in outcome.errors[0]
 

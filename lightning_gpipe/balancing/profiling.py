@@ -71,9 +71,15 @@ def state_bytes(layer: nn.Module, optimizer_states: float = 2.0) -> int:
     return int(total)
 
 
-def profile_layers(module: nn.Sequential, sample: Any, device: Union[torch.device, str, None] = None, *,
-                   repeats: int = 5, optimizer_states: float = 2.0,
-                   context: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> LayerCosts:
+def profile_layers(
+    module: nn.Sequential,
+    sample: Any,
+    device: Union[torch.device, str, None] = None,
+    *,
+    repeats: int = 5,
+    optimizer_states: float = 2.0,
+    context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+) -> LayerCosts:
     """Measure every layer of ``module`` on ``device`` (default: the CPU), one layer there at a time.
 
     ``sample`` is the backbone's input for one micro-batch; each layer gets the previous layer's
@@ -126,8 +132,9 @@ def _storage(t: Tensor) -> tuple[int, int]:
         return id(t), t.numel() * t.element_size()
 
 
-def _profile_layer(layer: nn.Module, x: Any, input_saved: list[bool], device: torch.device,
-                   context: Callable[[], ContextManager[Any]]) -> tuple[Any, float, int, list[bool]]:
+def _profile_layer(
+    layer: nn.Module, x: Any, input_saved: list[bool], device: torch.device, context: Callable[[], ContextManager[Any]]
+) -> tuple[Any, float, int, list[bool]]:
     """One forward and backward of one layer on ``device``: (its output, seconds, activation bytes, saved outputs)."""
     home = _device_of(layer)
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]

@@ -71,8 +71,9 @@ def capture_input(target: nn.Module, run: Callable[[], Any], owner: Optional[nn.
     return microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), box["input"])
 
 
-def backbone_sample(module: Any, backbone: nn.Module, name: str, chunks: int,
-                    first_batch: Optional[tuple[Any, str, str]]) -> tuple[Any, str]:
+def backbone_sample(
+    module: Any, backbone: nn.Module, name: str, chunks: int, first_batch: Optional[tuple[Any, str, str]]
+) -> tuple[Any, str]:
     """One micro-batch of what ``module`` feeds its ``backbone`` (the attribute ``name``), and where it came from.
 
     First choice: ``first_batch``, the first batch of the running stage's dataloader with the step
@@ -92,12 +93,15 @@ def backbone_sample(module: Any, backbone: nn.Module, name: str, chunks: int,
             x = capture_input(backbone, lambda: getattr(module, step)(batch, 0), owner=module)
             return _described(sample_micro_batch(x, chunks), f"the first batch of the {loader}")
         except Exception as error:
-            tried.append(f"`{step}` on the first batch of the {loader} did not call `self.{name}` "
-                         f"({type(error).__name__}: {error})")
+            tried.append(
+                f"`{step}` on the first batch of the {loader} did not call `self.{name}` "
+                f"({type(error).__name__}: {error})"
+            )
     example = module.example_input_array
     if example is None:
         tried.append(f"`{type(module).__name__}.example_input_array` is not set")
     else:
+
         def forward() -> Any:  # the way Lightning's ModelSummary feeds it
             if isinstance(example, (list, tuple)):
                 return module(*example)
@@ -110,7 +114,8 @@ def backbone_sample(module: Any, backbone: nn.Module, name: str, chunks: int,
             tried.append(f"`forward(example_input_array)` did not call `self.{name}` ({type(error).__name__}: {error})")
     raise ValueError(
         "Profiling the backbone (balance='time' or 'memory') needs a sample micro-batch, but none could be taken: "
-        + "; ".join(tried) + ". Set `self.example_input_array` to an input of `forward` that calls the backbone, "
+        + "; ".join(tried)
+        + ". Set `self.example_input_array` to an input of `forward` that calls the backbone, "
         "or use balance='params' or an explicit list."
     )
 

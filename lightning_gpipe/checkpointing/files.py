@@ -28,12 +28,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element  # private: what DCP's own planner uses
 
-from lightning_gpipe.engine.distributed import is_distributed
 from lightning_gpipe.checkpointing.metadata import JSON_FILE, MetadataError, encode, load_metadata, save_metadata
+from lightning_gpipe.engine.distributed import is_distributed
 
 __all__ = [
-    "stage_selector","atomic_write", "save_sharded", "load_sharded", "sharded_model_keys", "consolidate", "is_sharded", "META",
-           "MetadataError"]
+    "stage_selector",
+    "atomic_write",
+    "save_sharded",
+    "load_sharded",
+    "sharded_model_keys",
+    "consolidate",
+    "is_sharded",
+    "META",
+    "MetadataError",
+]
 
 META = JSON_FILE
 _TENSORS = ("state_dict", "optimizer_states")
@@ -111,8 +119,10 @@ def atomic_write(write: Callable[[str], None], path: str) -> None:
 def _as_dcp(checkpoint: dict[str, Any]) -> dict[str, Any]:
     # DCP keys nested dicts by path; optimizer states become a dict keyed by position (lists of tensors
     # would be keyed by index too, but dicts keep every path a string)
-    return {"state_dict": checkpoint["state_dict"],
-            "optimizer_states": {str(i): s for i, s in enumerate(checkpoint.get("optimizer_states", []))}}
+    return {
+        "state_dict": checkpoint["state_dict"],
+        "optimizer_states": {str(i): s for i, s in enumerate(checkpoint.get("optimizer_states", []))},
+    }
 
 
 def save_sharded(checkpoint: dict[str, Any], path: str, writer: bool) -> None:
@@ -182,6 +192,7 @@ def sharded_model_keys(path: str) -> list[str]:
 def stage_selector(model_keys: set[str], param_names: set[str]) -> Callable[[tuple], bool]:
     """Which entries of a sharded checkpoint one stage reads (for :func:`load_sharded`): the model entries in
     ``model_keys`` (its own layers, the rest of the model) and the optimizer state of ``param_names``."""
+
     def wanted(keys: tuple) -> bool:
         if keys[0] == "state_dict":
             return keys[1] in model_keys
@@ -211,8 +222,12 @@ def load_sharded(path: str, wanted: Callable[[tuple], bool], collective: Optiona
         else:
             target[tuple(keys)] = None  # a pickled value, filled in by the load
     nested = _nested(target)
-    dcp.load(nested, checkpoint_id=path, planner=_WeightsOnlyPlanner(),
-             no_dist=not (is_distributed() if collective is None else collective))
+    dcp.load(
+        nested,
+        checkpoint_id=path,
+        planner=_WeightsOnlyPlanner(),
+        no_dist=not (is_distributed() if collective is None else collective),
+    )
     checkpoint = load_metadata(path)
     checkpoint["state_dict"] = nested.get("state_dict", {})
     optimizers = nested.get("optimizer_states", {})

@@ -34,8 +34,17 @@ __all__ = ["MetadataError", "encode", "decode", "save_metadata", "load_metadata"
 JSON_FILE = "meta.json"
 TENSORS_FILE = "meta_tensors.pt"
 _TAG = "__gpipe__"  # a dict with this key is a tagged value; a user's dict with it is stored tagged too
-_PATHS = {cls.__name__: cls for cls in (pathlib.Path, pathlib.PurePath, pathlib.PosixPath, pathlib.WindowsPath,
-                                         pathlib.PurePosixPath, pathlib.PureWindowsPath)}
+_PATHS = {
+    cls.__name__: cls
+    for cls in (
+        pathlib.Path,
+        pathlib.PurePath,
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+    )
+}
 
 
 class MetadataError(TypeError):
@@ -68,8 +77,10 @@ def _encode(value: Any, path: tuple, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and _TAG not in value:
             return {k: _encode(v, path + (k,), tensors) for k, v in value.items()}
-        return {_TAG: "dict", "v": [[_encode(k, path + (k,), tensors), _encode(v, path + (k,), tensors)]
-                                    for k, v in value.items()]}
+        return {
+            _TAG: "dict",
+            "v": [[_encode(k, path + (k,), tensors), _encode(v, path + (k,), tensors)] for k, v in value.items()],
+        }
     if isinstance(value, list):
         return [_encode(v, path + (i,), tensors) for i, v in enumerate(value)]
     if isinstance(value, (tuple, set, frozenset)):
@@ -89,7 +100,8 @@ def _encode(value: Any, path: tuple, tensors: list[torch.Tensor]) -> Any:
         "checkpoint: its metadata is written without pickle, as JSON plus tensors, which holds numbers, strings, "
         "lists, tuples, dicts, tensors, dtypes, devices, paths and enums. Store a plain value there instead (e.g. "
         "leave it out with save_hyperparameters(ignore=[...]), or edit it in on_save_checkpoint), or use "
-        "GPipeStrategy(state_dict_type='full').")
+        "GPipeStrategy(state_dict_type='full')."
+    )
 
 
 def decode(data: Any, tensors: list[torch.Tensor]) -> Any:
@@ -119,8 +131,10 @@ def decode(data: Any, tensors: list[torch.Tensor]) -> Any:
         return base64.b64decode(value)
     if kind == "enum":
         return _enum(*value)
-    raise MetadataError(f"Unknown tagged value {data!r} in a sharded checkpoint's metadata; was it written by a "
-                        "newer version of lightning_gpipe?")
+    raise MetadataError(
+        f"Unknown tagged value {data!r} in a sharded checkpoint's metadata; was it written by a "
+        "newer version of lightning_gpipe?"
+    )
 
 
 def _enum(module: str, qualname: str, name: str) -> enum.Enum:
@@ -129,8 +143,10 @@ def _enum(module: str, qualname: str, name: str) -> enum.Enum:
     for part in qualname.split(".") if owner is not None else ():
         owner = getattr(owner, part, None)
     if not (isinstance(owner, type) and issubclass(owner, enum.Enum)):
-        raise MetadataError(f"The checkpoint holds a member of the enum {module}.{qualname}, which is not loaded; "
-                            f"`import {module}` before loading the checkpoint.")
+        raise MetadataError(
+            f"The checkpoint holds a member of the enum {module}.{qualname}, which is not loaded; "
+            f"`import {module}` before loading the checkpoint."
+        )
     return owner[name]
 
 

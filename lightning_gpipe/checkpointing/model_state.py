@@ -63,7 +63,8 @@ def check_keys(expected: list[str], saved: list[str], model: str) -> None:
         raise RuntimeError(
             f"The checkpoint does not fit {model}: missing keys {missing}, unexpected keys {unexpected}. Resume "
             "with the model (and backbone) the checkpoint was written for, or set `strict_loading = False` on the "
-            "LightningModule to load the matching entries only.")
+            "LightningModule to load the matching entries only."
+        )
 
 
 def local_state_dict(state: dict[str, Any], pipe: GPipe, prefix: str) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def local_state_dict(state: dict[str, Any], pipe: GPipe, prefix: str) -> dict[st
     kept = {}
     for key, value in state.items():
         if key.startswith(prefix):
-            layer = key[len(prefix):].split(".", 1)[0]
+            layer = key[len(prefix) :].split(".", 1)[0]
             if layer not in own:
                 continue
         kept[key] = value
@@ -90,8 +91,10 @@ def reassemble(pipe: GPipe) -> nn.Sequential:
     ``state_dict`` would leave out). Tied parameters are tied again.
     """
     # every name of a shared tensor, so that each place of a tie gets filled (then `retie` joins them)
-    own = {name: t.detach().cpu() for name, t in [*pipe.named_parameters(remove_duplicate=False),
-                                                   *pipe.named_buffers(remove_duplicate=False)]}
+    own = {
+        name: t.detach().cpu()
+        for name, t in [*pipe.named_parameters(remove_duplicate=False), *pipe.named_buffers(remove_duplicate=False)]
+    }
     parts = pipe.gather(own, to_all=True)
     values = {k: v for part in parts or [] for k, v in part.items()}
     full = pipe.full_sequential()

@@ -35,8 +35,10 @@ def param_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
     try:
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     except KeyError:
-        raise ValueError("The optimizer holds a parameter that is not in the LightningModule; optimizers must be "
-                         "built from the module's own parameters (e.g. self.parameters()).") from None
+        raise ValueError(
+            "The optimizer holds a parameter that is not in the LightningModule; optimizers must be "
+            "built from the module's own parameters (e.g. self.parameters())."
+        ) from None
 
 
 def named_state(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
@@ -60,8 +62,10 @@ def layout(local_names: Sequence[list[list[str]]], full_order: Sequence[str]) ->
     position = {name: i for i, name in enumerate(full_order)}
     groups = len(local_names[0])
     if any(len(names) != groups for names in local_names):
-        raise ValueError("The stages' optimizers have different numbers of param groups; configure_optimizers must "
-                         "build the same groups on every stage.")
+        raise ValueError(
+            "The stages' optimizers have different numbers of param groups; configure_optimizers must "
+            "build the same groups on every stage."
+        )
     group_of: dict[str, int] = {}
     for stage, names_of_stage in enumerate(local_names):
         for g, names in enumerate(names_of_stage):
@@ -70,7 +74,8 @@ def layout(local_names: Sequence[list[list[str]]], full_order: Sequence[str]) ->
                     raise PipelineError(
                         f"The tied parameter {name!r} is in param group {group_of[name]} on one stage and in group {g} "
                         f"on stage {stage}: its copies would be stepped differently. configure_optimizers must put "
-                        "every name of a tied parameter into the same param group.")
+                        "every name of a tied parameter into the same param group."
+                    )
     merged = []
     for g in range(groups):
         names = {n for stage in local_names for n in stage[g]}
@@ -94,8 +99,9 @@ def merge(parts: Sequence[Mapping[str, Any]], groups_layout: Layout) -> dict[str
     return {"state": state, "param_groups": param_groups}
 
 
-def localize(saved: Mapping[str, Any], optimizer: Optimizer, module: nn.Module,
-             groups_layout: Optional[Layout] = None) -> dict[str, Any]:
+def localize(
+    saved: Mapping[str, Any], optimizer: Optimizer, module: nn.Module, groups_layout: Optional[Layout] = None
+) -> dict[str, Any]:
     """The part of a whole-model optimizer ``state_dict`` that this rank's ``optimizer`` holds.
 
     ``saved`` names its parameters with ``param_names`` (files written by this package), or else is a
@@ -104,8 +110,10 @@ def localize(saved: Mapping[str, Any], optimizer: Optimizer, module: nn.Module,
     saved_groups = saved["param_groups"]
     local = param_names(optimizer, module)
     if len(saved_groups) != len(local):
-        raise ValueError(f"The checkpoint's optimizer has {len(saved_groups)} param groups but this one has "
-                         f"{len(local)}; resume with the same configure_optimizers.")
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(saved_groups)} param groups but this one has "
+            f"{len(local)}; resume with the same configure_optimizers."
+        )
     state: dict[int, Any] = {}
     groups = []
     position = 0
@@ -114,7 +122,8 @@ def localize(saved: Mapping[str, Any], optimizer: Optimizer, module: nn.Module,
         if saved_names is None or len(saved_names) != len(group["params"]):
             raise ValueError(
                 f"Cannot match param group {g} of the checkpoint's optimizer ({len(group['params'])} parameters) "
-                "to this model's parameters by name; was it written for another model?")
+                "to this model's parameters by name; was it written for another model?"
+            )
         by_name = dict(zip(saved_names, group["params"]))
         ids = []
         for name in names:
@@ -137,8 +146,11 @@ def from_named(named: Mapping[str, Any]) -> dict[str, Any]:
     """
     saved = named.get("state", {})  # a sharded checkpoint drops an empty state
     group_of = named.get("group_of")
-    members = ([[n for n, g in group_of.items() if g == i] for i in range(len(named["groups"]))]
-               if group_of is not None else [list(saved)] * len(named["groups"]))
+    members = (
+        [[n for n, g in group_of.items() if g == i] for i in range(len(named["groups"]))]
+        if group_of is not None
+        else [list(saved)] * len(named["groups"])
+    )
     state: dict[int, Any] = {}
     groups = []
     index = 0

@@ -73,9 +73,13 @@ class _Resumable:
 
     def position(self) -> dict[str, Any]:
         """Where training stands in the epoch, and the random states to replay it from."""
-        return {"consumed": self._consumed(), "length": len(self),  # type: ignore[arg-type]
-                "random_at_epoch_start": self._epoch_state, "random_now": get_rng_state(self._device),
-                "sampler_seed": getattr(self.batch_sampler.sampler.inner, "seed", None)}
+        return {
+            "consumed": self._consumed(),
+            "length": len(self),  # type: ignore[arg-type]
+            "random_at_epoch_start": self._epoch_state,
+            "random_now": get_rng_state(self._device),
+            "sampler_seed": getattr(self.batch_sampler.sampler.inner, "seed", None),
+        }
 
     def restore(self, position: dict[str, Any]) -> None:
         """Start the next epoch where :meth:`position` stood (once)."""

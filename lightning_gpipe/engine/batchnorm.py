@@ -44,8 +44,16 @@ class DeferredBatchNorm(_BatchNorm):
         model = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=4)
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
-                 chunks: int = 1, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        chunks: int = 1,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True, device=device, dtype=dtype)
         microbatch.check_chunks(chunks)
         self.chunks = chunks
@@ -75,7 +83,9 @@ class DeferredBatchNorm(_BatchNorm):
         dims = [0, *range(2, input.dim())]
         n = input.numel() // max(input.shape[1], 1)
         x = input.detach()
-        var, mean = torch.var_mean(x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=dims, correction=0)
+        var, mean = torch.var_mean(
+            x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=dims, correction=0
+        )
         var, mean = var.double(), mean.double()
         total = self._count + n
         delta = mean - self._mean

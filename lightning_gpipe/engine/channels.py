@@ -68,8 +68,9 @@ class Link:
 class Inbox:
     """The receiving end of one directed pair: a thread that receives messages in order into a queue."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, name: str, board: FailureBoard,
-                 timeout: float) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, src: int, device: torch.device, name: str, board: FailureBoard, timeout: float
+    ) -> None:
         self.group, self.src, self.device, self.name = group, src, device, name
         self.board, self.timeout = board, timeout
         self._queue: "queue.Queue[tuple[float, object]]" = queue.Queue()  # (arrival time, item)
@@ -143,8 +144,15 @@ class Channels:
     other (the gradient of the pipeline input, when it needs one).
     """
 
-    def __init__(self, layout: PipeLayout, rank: int, device: torch.device, board: FailureBoard,
-                 timeout: float, backend: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        layout: PipeLayout,
+        rank: int,
+        device: torch.device,
+        board: FailureBoard,
+        timeout: float,
+        backend: Optional[str] = None,
+    ) -> None:
         self.rank = rank
         self.links: dict[int, Link] = {}
         self.inboxes: dict[int, Inbox] = {}
@@ -165,8 +173,9 @@ class Channels:
             if rank in (src, dst):
                 self._groups.append(group)
 
-    def send(self, dst: int, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool,
-             tag: Tag) -> None:
+    def send(
+        self, dst: int, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag
+    ) -> None:
         """Start sending ``values`` to rank ``dst``."""
         self.links[dst].send(values, requires_grad, is_tuple, tag)
 

@@ -12,9 +12,13 @@ from torch import Tensor, nn
 __all__ = ["global_grad_norm", "clip_grad_norm_"]
 
 
-def global_grad_norm(parameters: Iterable[nn.Parameter], stage_parameters: Iterable[nn.Parameter],
-                     count_replicated: bool, group: Optional[dist.ProcessGroup],
-                     counted_elsewhere: Iterable[nn.Parameter] = ()) -> Tensor:
+def global_grad_norm(
+    parameters: Iterable[nn.Parameter],
+    stage_parameters: Iterable[nn.Parameter],
+    count_replicated: bool,
+    group: Optional[dist.ProcessGroup],
+    counted_elsewhere: Iterable[nn.Parameter] = (),
+) -> Tensor:
     """The 2-norm of the gradients of the whole model, the same on every stage; collective over ``group``.
 
     ``parameters`` are those this rank steps. Those in ``stage_parameters`` are its stage's own; the
@@ -38,9 +42,14 @@ def global_grad_norm(parameters: Iterable[nn.Parameter], stage_parameters: Itera
     return square.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, stage_parameters: Iterable[nn.Parameter],
-                    count_replicated: bool, group: Optional[dist.ProcessGroup],
-                    counted_elsewhere: Iterable[nn.Parameter] = ()) -> Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    stage_parameters: Iterable[nn.Parameter],
+    count_replicated: bool,
+    group: Optional[dist.ProcessGroup],
+    counted_elsewhere: Iterable[nn.Parameter] = (),
+) -> Tensor:
     """Scale the gradients of ``parameters`` so that the norm over all stages is at most ``max_norm``.
 
     Clipping each stage by its own norm would scale the stages differently (the prototype was 1.6e-2

@@ -19,8 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["is_distributed", "default_backend", "backend_for", "wait", "barrier", "all_reduce", "broadcast_object", "gather_objects", "reduce_op",
-           "Watch"]
+__all__ = [
+    "is_distributed",
+    "default_backend",
+    "backend_for",
+    "wait",
+    "barrier",
+    "all_reduce",
+    "broadcast_object",
+    "gather_objects",
+    "reduce_op",
+    "Watch",
+]
 
 #: Called while a collective is pending; raises to abandon it.
 Watch = Callable[[], None]
@@ -68,8 +78,12 @@ def barrier(group: Optional[dist.ProcessGroup] = None, watch: Optional[Watch] = 
     wait(dist.barrier(group=group, async_op=True), watch)
 
 
-def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
-               watch: Optional[Watch] = None) -> Tensor:
+def all_reduce(
+    tensor: Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: Optional[dist.ProcessGroup] = None,
+    watch: Optional[Watch] = None,
+) -> Tensor:
     """``tensor`` reduced over ``group``, in place."""
     wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), watch)
     return tensor
@@ -99,8 +113,13 @@ def _from_bytes(tensor: Tensor) -> Any:
     return pickle.loads(tensor.cpu().numpy().tobytes())
 
 
-def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None,
-                     watch: Optional[Watch] = None, device: torch.device = torch.device("cpu")) -> Any:
+def broadcast_object(
+    obj: Any,
+    src: int,
+    group: Optional[dist.ProcessGroup] = None,
+    watch: Optional[Watch] = None,
+    device: torch.device = torch.device("cpu"),
+) -> Any:
     """``obj`` as global rank ``src`` has it, on every rank of ``group``."""
     mine = dist.get_rank() == src
     data = _as_bytes(obj, device) if mine else None
@@ -112,26 +131,36 @@ def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup] = No
     return obj if mine else _from_bytes(data)
 
 
-def gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None, watch: Optional[Watch] = None,
-                   device: torch.device = torch.device("cpu"), dst: Optional[int] = None) -> Optional[list[Any]]:
+def gather_objects(
+    obj: Any,
+    group: Optional[dist.ProcessGroup] = None,
+    watch: Optional[Watch] = None,
+    device: torch.device = torch.device("cpu"),
+    dst: Optional[int] = None,
+) -> Optional[list[Any]]:
     """``obj`` from every rank of ``group``, in group order: on every rank, or with ``dst`` on that rank only.
 
     The gather to one rank still all-gathers the sizes, so every rank pads to the same length.
     """
     data = _as_bytes(obj, device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(_size(group))]
-    wait(dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group,
-                         async_op=True), watch)
+    wait(
+        dist.all_gather(
+            sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group, async_op=True
+        ),
+        watch,
+    )
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
+    padded[: data.numel()] = data
     if dst is None:
         parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
         wait(dist.all_gather(parts, padded, group=group, async_op=True), watch)
     else:
-        parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] \
-            if dist.get_rank() == dst else None
+        parts = (
+            [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if dist.get_rank() == dst else None
+        )
         wait(dist.gather(padded, parts, dst=dst, group=group, async_op=True), watch)
         if parts is None:
             return None
-    return [_from_bytes(p[:int(s.item())]) for p, s in zip(parts, sizes)]
+    return [_from_bytes(p[: int(s.item())]) for p, s in zip(parts, sizes)]

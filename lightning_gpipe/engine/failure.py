@@ -96,8 +96,14 @@ class FailureBoard:
     True
     """
 
-    def __init__(self, store: Optional[dist.Store], rank: int, world_size: int, describe: Callable[[int], str],
-                 namespace: str = "lightning_gpipe") -> None:
+    def __init__(
+        self,
+        store: Optional[dist.Store],
+        rank: int,
+        world_size: int,
+        describe: Callable[[int], str],
+        namespace: str = "lightning_gpipe",
+    ) -> None:
         self._store = dist.PrefixStore(namespace, store) if store is not None else None
         self.rank, self.world_size, self.describe = rank, world_size, describe
         self._published = False
@@ -170,10 +176,12 @@ class FailureBoard:
         self._stop.clear()
         self._last_answer = time.monotonic()
         self._threads = [
-            threading.Thread(target=self._poll, args=(poll, failure_timeout), name="lightning-gpipe-poller",
-                             daemon=True),
-            threading.Thread(target=self._watch, args=(poll, grace, failure_timeout),
-                             name="lightning-gpipe-watchdog", daemon=True),
+            threading.Thread(
+                target=self._poll, args=(poll, failure_timeout), name="lightning-gpipe-poller", daemon=True
+            ),
+            threading.Thread(
+                target=self._watch, args=(poll, grace, failure_timeout), name="lightning-gpipe-watchdog", daemon=True
+            ),
         ]
         for thread in self._threads:
             thread.start()
@@ -235,8 +243,10 @@ class FailureBoard:
                 self._last_answer = time.monotonic()
             except Exception as error:  # the store's host is gone; Lightning's launchers start it with rank 0
                 if self._message is None:
-                    self._message = (f"{self.describe(0)} (rank 0) is unreachable: the job's store, which rank 0 "
-                                     f"hosts, failed ({type(error).__name__}: {error})")
+                    self._message = (
+                        f"{self.describe(0)} (rank 0) is unreachable: the job's store, which rank 0 "
+                        f"hosts, failed ({type(error).__name__}: {error})"
+                    )
                 return
 
     def _run_checks(self) -> None:
@@ -261,22 +271,28 @@ class FailureBoard:
             if current != beats:
                 last_seen[rank] = (current, now)
             elif now - since > failure_timeout:
-                self._set_failure(f"{self.describe(rank)} (rank {rank}) stopped responding: no heartbeat for "
-                                  f"{now - since:.0f}s (killed, or frozen)")
+                self._set_failure(
+                    f"{self.describe(rank)} (rank {rank}) stopped responding: no heartbeat for "
+                    f"{now - since:.0f}s (killed, or frozen)"
+                )
                 del last_seen[rank]
 
     def _watch(self, poll: float, grace: float, failure_timeout: float) -> None:
         while not self._stop.wait(poll):
             silent = time.monotonic() - self._last_answer
             if self._message is None and silent > failure_timeout:
-                self._message = (f"{self.describe(0)} (rank 0) stopped responding: the job's store, which rank 0 "
-                                 f"hosts, has not answered for {silent:.0f}s")
+                self._message = (
+                    f"{self.describe(0)} (rank 0) stopped responding: the job's store, which rank 0 "
+                    f"hosts, has not answered for {silent:.0f}s"
+                )
             if self._message is None or self._published:
                 continue
             if self._stop.wait(grace) or self._published:
                 return
-            sys.stderr.write(f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after another "
-                             f"rank failed and this one stayed blocked.\n{self._message}\n")
+            sys.stderr.write(
+                f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after another "
+                f"rank failed and this one stayed blocked.\n{self._message}\n"
+            )
             traceback.print_stack(sys._current_frames().get(threading.main_thread().ident), file=sys.stderr)
             sys.stderr.flush()
             os._exit(1)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.failure import PipelineError
+from lightning_gpipe.engine.messages import Message, Tag
 
 __all__ = ["check_message", "stray_message_error", "OUT_OF_STEP_CAUSES", "DIFFERENT_BATCH_CAUSES"]
 

@@ -24,8 +24,18 @@ _KINDS = ("forward", "output", "gradient", "input gradient")
 _LABEL_FIELDS = 6  # the hook name, up to 48 ASCII characters in 6 int64 fields
 _FIXED = 6 + _LABEL_FIELDS  # type, tuple flag, kind, call, micro-batch, batch fingerprint, label
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 ]
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
@@ -70,8 +80,8 @@ class Message:
 
 
 def _encode_label(label: str) -> list[int]:
-    raw = label.encode("ascii", "replace")[:8 * _LABEL_FIELDS].ljust(8 * _LABEL_FIELDS, b"\0")
-    return [int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True) for i in range(_LABEL_FIELDS)]
+    raw = label.encode("ascii", "replace")[: 8 * _LABEL_FIELDS].ljust(8 * _LABEL_FIELDS, b"\0")
+    return [int.from_bytes(raw[8 * i : 8 * i + 8], "little", signed=True) for i in range(_LABEL_FIELDS)]
 
 
 def _decode_label(fields: list[int]) -> str:
@@ -81,8 +91,16 @@ def _decode_label(fields: list[int]) -> str:
 
 def encode(values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag) -> Tensor:
     """The fixed-size int64 header that announces a message: its tag, then dtype, grad flag and shape of each tensor."""
-    fields = [_DATA, int(is_tuple), _KINDS.index(tag.kind), tag.call, tag.micro, tag.batch, *_encode_label(tag.label),
-              len(values)]
+    fields = [
+        _DATA,
+        int(is_tuple),
+        _KINDS.index(tag.kind),
+        tag.call,
+        tag.micro,
+        tag.batch,
+        *_encode_label(tag.label),
+        len(values),
+    ]
     for value, flag in zip(values, requires_grad):
         if value is None:
             fields += [-1, 0, 0]
@@ -108,11 +126,11 @@ def decode(header: Tensor) -> Optional[tuple[Specs, Tag, bool]]:
         return None
     if fields[0] != _DATA or not 0 <= fields[2] < len(_KINDS):
         raise PipelineError(f"Received a malformed message header {fields[:8]}...; the stages are out of step.")
-    tag = Tag(_KINDS[fields[2]], fields[3], fields[4], _decode_label(fields[6:6 + _LABEL_FIELDS]), fields[5])
+    tag = Tag(_KINDS[fields[2]], fields[3], fields[4], _decode_label(fields[6 : 6 + _LABEL_FIELDS]), fields[5])
     specs, pos = [], _FIXED + 1
     for _ in range(fields[_FIXED]):
-        code, flag, ndim = fields[pos:pos + 3]
-        shape = tuple(fields[pos + 3:pos + 3 + ndim])
+        code, flag, ndim = fields[pos : pos + 3]
+        shape = tuple(fields[pos + 3 : pos + 3 + ndim])
         specs.append((None if code < 0 else _DTYPES[code], bool(flag), shape))
         pos += 3 + ndim
     return specs, tag, bool(fields[1])
@@ -123,4 +141,3 @@ def close_header() -> Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0] = _CLOSE
     return header
-

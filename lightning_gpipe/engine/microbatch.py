@@ -13,8 +13,18 @@ from lightning_gpipe.engine.rng import mix64
 
 __all__ = [
     "check_chunks",
-    "Outputs", "tensors", "map_tensors", "batch_size", "split_sizes", "split", "scatter", "gather", "as_tuple",
-    "from_tuple", "fingerprint", "as_bits",
+    "Outputs",
+    "tensors",
+    "map_tensors",
+    "batch_size",
+    "split_sizes",
+    "split",
+    "scatter",
+    "gather",
+    "as_tuple",
+    "from_tuple",
+    "fingerprint",
+    "as_bits",
 ]
 
 #: What a stage may return: one tensor, or a tuple of tensors.
@@ -59,12 +69,16 @@ def batch_size(batch: Any) -> int:
     sizes = set()
     for t in leaves:
         if t.dim() == 0:
-            raise ValueError("A backbone input tensor is 0-dimensional; micro-batching splits dim 0, so every input "
-                             "tensor needs a batch dimension first.")
+            raise ValueError(
+                "A backbone input tensor is 0-dimensional; micro-batching splits dim 0, so every input "
+                "tensor needs a batch dimension first."
+            )
         sizes.add(t.shape[0])
     if len(sizes) != 1:
-        raise ValueError(f"The backbone input tensors disagree on the batch size (dim 0): {sorted(sizes)}. "
-                         "Micro-batching cuts every tensor at the same samples, so they must agree.")
+        raise ValueError(
+            f"The backbone input tensors disagree on the batch size (dim 0): {sorted(sizes)}. "
+            "Micro-batching cuts every tensor at the same samples, so they must agree."
+        )
     return sizes.pop()
 
 
@@ -130,8 +144,11 @@ def as_tuple(outputs: Any) -> tuple[Tensor, ...]:
         return (outputs,)
     if isinstance(outputs, tuple) and all(isinstance(t, Tensor) for t in outputs):
         return outputs
-    kinds = type(outputs).__name__ if not isinstance(outputs, tuple) else \
-        "tuple of (" + ", ".join(type(t).__name__ for t in outputs) + ")"
+    kinds = (
+        type(outputs).__name__
+        if not isinstance(outputs, tuple)
+        else "tuple of (" + ", ".join(type(t).__name__ for t in outputs) + ")"
+    )
     raise TypeError(f"got {kinds}; a stage must return a Tensor or a tuple of Tensors")
 
 
@@ -174,7 +191,8 @@ def fingerprint(batch: Any) -> int:
     Two stages that hold the same batch get the same number; a different sample, order, shape or
     dtype changes it. It reads every value once, so it costs about a pass over the batch.
 
-    >>> fingerprint((torch.arange(4.0), {"y": torch.tensor([1, 2])})) == fingerprint((torch.arange(4.0), {"y": torch.tensor([1, 2])}))
+    >>> batch = (torch.arange(4.0), {"y": torch.tensor([1, 2])})
+    >>> fingerprint(batch) == fingerprint((torch.arange(4.0), {"y": torch.tensor([1, 2])}))
     True
     >>> fingerprint(torch.tensor([1.0, 2.0])) == fingerprint(torch.tensor([2.0, 1.0]))
     False

@@ -9,7 +9,13 @@ from typing import Optional
 from torch import nn
 
 __all__ = [
-    "balance", "balance_by_params", "parameter_costs", "split_table", "stage_bounds", "stage_costs", "validate_balance",
+    "balance",
+    "balance_by_params",
+    "parameter_costs",
+    "split_table",
+    "stage_bounds",
+    "stage_costs",
+    "validate_balance",
 ]
 
 
@@ -67,8 +73,10 @@ def balance(costs: Sequence[float], stages: int) -> list[int]:
                 if rest is None or c > limit:
                     continue
                 candidate = (c * c + rest[0], (j - i, *rest[1]))
-                if choice is None or candidate[0] < choice[0] - 1e-12 * max(1.0, choice[0]) or (
-                    abs(candidate[0] - choice[0]) <= 1e-12 * max(1.0, choice[0]) and candidate[1] < choice[1]
+                if (
+                    choice is None
+                    or candidate[0] < choice[0] - 1e-12 * max(1.0, choice[0])
+                    or (abs(candidate[0] - choice[0]) <= 1e-12 * max(1.0, choice[0]) and candidate[1] < choice[1])
                 ):
                     choice = candidate
             squares[s][i] = choice
@@ -132,8 +140,12 @@ def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     return [float(sum(costs[start:stop])) for start, stop in stage_bounds(balance)]
 
 
-def split_table(balance: Sequence[int], params: Sequence[float], time: Optional[Sequence[float]] = None,
-                memory: Optional[Sequence[float]] = None) -> str:
+def split_table(
+    balance: Sequence[int],
+    params: Sequence[float],
+    time: Optional[Sequence[float]] = None,
+    memory: Optional[Sequence[float]] = None,
+) -> str:
     """A markdown table of a split: each stage's layer range, parameter count, and share of time and memory.
 
     Shares are of the whole backbone; ``n/a`` where that cost was not measured.
@@ -154,8 +166,9 @@ def split_table(balance: Sequence[int], params: Sequence[float], time: Optional[
 
     rows = ["| stage | layers | params | time | memory |", "|---:|---|---:|---:|---:|"]
     counts = stage_costs(params, balance)
-    for stage, ((start, stop), count, t, m) in enumerate(zip(stage_bounds(balance), counts, shares(time),
-                                                             shares(memory))):
+    for stage, ((start, stop), count, t, m) in enumerate(
+        zip(stage_bounds(balance), counts, shares(time), shares(memory))
+    ):
         layers = str(start) if stop - start == 1 else f"{start}-{stop - 1}"
         rows.append(f"| {stage} | {layers} | {int(count):,} | {t} | {m} |")
     return "\n".join(rows)

@@ -11,17 +11,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_gpipe.engine import distributed
-from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine import distributed, microbatch
 from lightning_gpipe.engine.channels import Channels
-from lightning_gpipe.engine.stage import StageRunner
-from lightning_gpipe.engine.tracer import Tracer
 from lightning_gpipe.engine.failure import FailureBoard, PipelineError
 from lightning_gpipe.engine.lockstep import stray_message_error
 from lightning_gpipe.engine.partition import balance_by_params, stage_bounds, validate_balance
 from lightning_gpipe.engine.replicas import GradientSync
+from lightning_gpipe.engine.stage import StageRunner
 from lightning_gpipe.engine.tied import TiedCopies, find_ties, untie
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
+from lightning_gpipe.engine.tracer import Tracer
 
 __all__ = ["STRAY_GRACE", "GPipe"]
 
@@ -78,11 +77,20 @@ class GPipe(nn.Module):
             (a collective) and freed at :meth:`close`.
     """
 
-    def __init__(self, module: nn.Sequential, balance: Optional[Sequence[int]] = None, *, chunks: int = 1,
-                 checkpoint: str = "except_last", layout: Optional[PipeLayout] = None,
-                 device: Optional[Union[torch.device, str]] = None, seed: Optional[int] = None,
-                 timeout: float = 1800.0, board: Optional[FailureBoard] = None,
-                 mesh: Optional[DeviceMesh] = None) -> None:
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Optional[Sequence[int]] = None,
+        *,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        layout: Optional[PipeLayout] = None,
+        device: Optional[Union[torch.device, str]] = None,
+        seed: Optional[int] = None,
+        timeout: float = 1800.0,
+        board: Optional[FailureBoard] = None,
+        mesh: Optional[DeviceMesh] = None,
+    ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
@@ -129,8 +137,9 @@ class GPipe(nn.Module):
         self.runner.after_drain = self.ties.after_drain
         if self.replica_group is not None:
             tied = self.ties.excluded()  # their replica average is part of the tie's sum
-            self.runner.grad_sync = GradientSync([p for p in self.parameters() if id(p) not in tied],
-                                                 self.replica_group)
+            self.runner.grad_sync = GradientSync(
+                [p for p in self.parameters() if id(p) not in tied], self.replica_group
+            )
 
     def sync_gradients(self, replicated: Optional[list[nn.Parameter]] = None) -> None:
         """Average this stage's gradients (and ``replicated`` ones) over the data-parallel replicas.
@@ -152,16 +161,16 @@ class GPipe(nn.Module):
         """``obj`` as ``stage`` has it, on every stage of this pipeline; collective."""
         if self.group is None:
             return obj
-        return distributed.broadcast_object(obj, self.ranks[stage], self.group, self.watch("a broadcast"),
-                                            self.device)
+        return distributed.broadcast_object(obj, self.ranks[stage], self.group, self.watch("a broadcast"), self.device)
 
     def gather(self, obj: Any, to_all: bool = True) -> Optional[list[Any]]:
         """``obj`` from every stage of this pipeline, in stage order: on every stage if ``to_all``, else on the
         first stage only (``None`` on the others); collective."""
         if self.group is None:
             return [obj]
-        return distributed.gather_objects(obj, self.group, self.watch("a gather of every stage's state"),
-                                          dst=None if to_all else self.ranks[0])
+        return distributed.gather_objects(
+            obj, self.group, self.watch("a gather of every stage's state"), dst=None if to_all else self.ranks[0]
+        )
 
     def watch(self, doing: str) -> distributed.Watch:
         """What a collective of the whole pipeline polls while it waits (see :mod:`lightning_gpipe.engine.distributed`).
@@ -170,6 +179,7 @@ class GPipe(nn.Module):
         from a peer has waited through the collective (:data:`STRAY_GRACE`): that peer is inside a
         backbone call this rank never made, and will not join. ``doing`` names the collective.
         """
+
         def check() -> None:
             self.board.raise_if_failed()
             runner = getattr(self, "runner", None)  # construction broadcasts the seed before the runner exists
@@ -274,7 +284,7 @@ class GPipe(nn.Module):
 
     @property
     def tracer(self) -> Optional[Tracer]:
-        """What this stage reports its passes to (see :class:`lightning_gpipe.monitor.timer.StageTimer`); ``None``: nothing."""
+        """What this stage reports its passes to (see :class:`~lightning_gpipe.StageTimer`); ``None``: nothing."""
         return self.runner.tracer
 
     @tracer.setter
@@ -334,10 +344,14 @@ class GPipe(nn.Module):
     def __getitem__(self, index: int) -> nn.Module:
         name = str(index if index >= 0 else self.num_layers + index)
         if name not in self._modules:
-            raise IndexError(f"Layer {index} is not on this process (stage {self.stage} holds "
-                             f"{[i for i, _ in self.local_layers()]}).")
+            raise IndexError(
+                f"Layer {index} is not on this process (stage {self.stage} holds "
+                f"{[i for i, _ in self.local_layers()]})."
+            )
         return self._modules[name]  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
-        return (f"stage={self.stage} of {self.layout.pipe_size}, balance={self.balance}, chunks={self.chunks}, "
-                f"checkpoint={self.checkpoint!r}")
+        return (
+            f"stage={self.stage} of {self.layout.pipe_size}, balance={self.balance}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}"
+        )

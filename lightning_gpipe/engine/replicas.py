@@ -28,8 +28,11 @@ def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]
     buckets: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
-        if buckets and (p.dtype, p.device) == (buckets[-1][0].dtype, buckets[-1][0].device) and \
-                size + p.numel() * p.element_size() <= limit:
+        if (
+            buckets
+            and (p.dtype, p.device) == (buckets[-1][0].dtype, buckets[-1][0].device)
+            and size + p.numel() * p.element_size() <= limit
+        ):
             buckets[-1].append(p)
             size += p.numel() * p.element_size()
         else:
@@ -49,8 +52,9 @@ class GradientSync:
         sync.finish()            # every rank now holds the replicas' average gradient
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup],
-                 bucket_bytes: int = _BUCKET_BYTES) -> None:
+    def __init__(
+        self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup], bucket_bytes: int = _BUCKET_BYTES
+    ) -> None:
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.enabled = True  # off while gradients accumulate over several batches
@@ -108,7 +112,7 @@ class GradientSync:
             work.wait()
             offset = 0
             for p in bucket:
-                value = flat[offset:offset + p.numel()].view_as(p)
+                value = flat[offset : offset + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = value.clone()
                 else:

@@ -21,7 +21,13 @@ except ImportError:  # numpy is optional for torch
     np = None  # type: ignore[assignment]
 
 __all__ = [
-    "RandomState", "get_rng_state", "isolated_rng", "layer_seed", "mix64", "seed_layer", "set_rng_state",
+    "RandomState",
+    "get_rng_state",
+    "isolated_rng",
+    "layer_seed",
+    "mix64",
+    "seed_layer",
+    "set_rng_state",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -97,5 +103,6 @@ def seed_layer(seed: int, device: torch.device) -> None:
     """Seed the generators a layer on ``device`` draws from (call inside :func:`isolated_rng`)."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
-        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()] \
-            .manual_seed(seed)
+        torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()
+        ].manual_seed(seed)

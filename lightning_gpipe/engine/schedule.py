@@ -53,10 +53,7 @@ def clock_cycles(chunks: int, stages: int) -> list[list[tuple[int, int]]]:
     >>> clock_cycles(2, 2)
     [[(0, 0)], [(1, 0), (0, 1)], [(1, 1)]]
     """
-    return [
-        [(t - s, s) for s in range(stages) if 0 <= t - s < chunks]
-        for t in range(chunks + stages - 1)
-    ]
+    return [[(t - s, s) for s in range(stages) if 0 <= t - s < chunks] for t in range(chunks + stages - 1)]
 
 
 def bubble_fraction(chunks: int, stages: int) -> float:

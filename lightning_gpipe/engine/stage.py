@@ -18,11 +18,11 @@ from torch import Tensor, nn
 
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.channels import Channels
-from lightning_gpipe.engine.messages import Message, Tag
+from lightning_gpipe.engine.checkpoint import check_checkpoint_mode, checkpointed, recomputing
 from lightning_gpipe.engine.lockstep import check_message
+from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
-from lightning_gpipe.engine.checkpoint import check_checkpoint_mode, checkpointed, recomputing
 from lightning_gpipe.engine.schedule import fill_drain
 from lightning_gpipe.engine.tracer import Tracer, span
 
@@ -57,8 +57,17 @@ class StageRunner:
     random streams, so a layer draws the same numbers whichever stage it lands in.
     """
 
-    def __init__(self, layers: list[tuple[int, nn.Module]], stage: int, ranks: list[int],
-                 channels: Optional[Channels], chunks: int, checkpoint: str, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        layers: list[tuple[int, nn.Module]],
+        stage: int,
+        ranks: list[int],
+        channels: Optional[Channels],
+        chunks: int,
+        checkpoint: str,
+        device: torch.device,
+        seed: int,
+    ) -> None:
         check_checkpoint_mode(checkpoint)
         microbatch.check_chunks(chunks)
         if len(ranks) > 1 and channels is None:
@@ -141,7 +150,7 @@ class StageRunner:
             ) from None
 
     def _recv(self, src: int, expected: Tag) -> Message:
-        """The next message from rank ``src``, which must be ``expected`` (see :mod:`lightning_gpipe.engine.lockstep`)."""
+        """The next message from rank ``src``, which must be ``expected`` (see :mod:`.lockstep`)."""
         assert self.channels is not None
         with self._span("wait", expected.micro):
             message = self.channels.recv(src)
@@ -168,8 +177,10 @@ class StageRunner:
             else:
                 message = self._recv(self.ranks[self.stage - 1], Tag("forward", call, i, run.label, fingerprint))
                 in_flags = list(message.requires_grad) if train else []
-                values = tuple(v.requires_grad_() if train and f else v  # type: ignore[union-attr]
-                               for v, f in zip(message.values, message.requires_grad))
+                values = tuple(
+                    v.requires_grad_() if train and f else v  # type: ignore[union-attr]
+                    for v, f in zip(message.values, message.requires_grad)
+                )
                 x = microbatch.from_tuple(values, message.is_tuple)  # type: ignore[arg-type]
             keep = train and not checkpointed(self.checkpoint, i, self.chunks)
             with torch.set_grad_enabled(keep), self._span("forward", i):
@@ -184,8 +195,9 @@ class StageRunner:
                 self._check_batch_dim(y, sizes[i])
                 outputs.append(tuple(t.detach() for t in y))
             else:
-                self._send(self.ranks[self.stage + 1], y, out_flags, is_tuple, Tag("forward", call, i, run.label,
-                                                                                    fingerprint))
+                self._send(
+                    self.ranks[self.stage + 1], y, out_flags, is_tuple, Tag("forward", call, i, run.label, fingerprint)
+                )
         run.sizes = sizes
         return self._share(outputs, is_tuple, Tag("output", call, -1, run.label))
 
@@ -229,8 +241,11 @@ class StageRunner:
             y = recomputed.pop(i) if i in recomputed else run.outputs[i]
             g: tuple[Optional[Tensor], ...] = ()
             if run.out_grad[i]:
-                g = last_grads[i] if self.is_last else \
-                    self._recv(self.ranks[self.stage + 1], Tag("gradient", run.call, i, run.label)).values
+                g = (
+                    last_grads[i]
+                    if self.is_last
+                    else self._recv(self.ranks[self.stage + 1], Tag("gradient", run.call, i, run.label)).values
+                )
             if i == 0 and self.grad_sync is not None:  # the last backward: gradients become final in it
                 self.grad_sync.arm()
             with self._span("backward", i):
@@ -238,8 +253,9 @@ class StageRunner:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
                 leaves = microbatch.tensors(run.inputs[i])
-                dx = tuple((t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None
-                           for t in leaves)
+                dx = tuple(
+                    (t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None for t in leaves
+                )
             if not self.is_first and run.in_grad[i]:
                 tag = Tag("gradient", run.call, i, run.label)
                 self._send(self.ranks[self.stage - 1], dx, [False] * len(dx), True, tag)

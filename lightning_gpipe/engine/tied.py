@@ -30,6 +30,7 @@ from lightning_gpipe.engine.topology import PipeLayout
 
 __all__ = ["Tie", "TiedCopies", "canonical_names", "find_ties", "refuse_ties_outside", "untie"]
 
+
 @dataclass(frozen=True)
 class Tie:
     """A parameter that several places of the Sequential share.
@@ -86,15 +87,22 @@ def find_ties(module: nn.Sequential, balance: list[int]) -> list[Tie]:
     for sub, path, layers in owners.values():
         stages = sorted({where[i] for i in layers})
         if len(stages) > 1:
-            what = (f"Layers {layers} of the Sequential are the same {type(sub).__name__} object"
-                    if path == str(layers[0]) else f"Layers {layers} share the submodule `{path}` ({type(sub).__name__})")
+            what = (
+                f"Layers {layers} of the Sequential are the same {type(sub).__name__} object"
+                if path == str(layers[0])
+                else f"Layers {layers} share the submodule `{path}` ({type(sub).__name__})"
+            )
             raise ValueError(
                 f"{what}, but the split (balance={list(balance)}) puts them on stages {stages}: one module cannot run "
                 "on two stages. Keep them on one stage with `balance`, or use a separate module for each place and "
                 "share only the parameters (e.g. `second.weight = first.weight`): parameters shared across stages "
-                "are kept tied by the pipeline.")
-    return [Tie(tuple(n for _, n in places), tuple(i for i, _ in places), tuple(where[i] for i, _ in places))
-            for places in spots.values() if len(places) > 1]
+                "are kept tied by the pipeline."
+            )
+    return [
+        Tie(tuple(n for _, n in places), tuple(i for i, _ in places), tuple(where[i] for i, _ in places))
+        for places in spots.values()
+        if len(places) > 1
+    ]
 
 
 def _set_parameter(module: nn.Sequential, spot: str, value: nn.Parameter) -> None:
@@ -112,8 +120,9 @@ def untie(module: nn.Sequential, ties: list[Tie], stage: int) -> None:
         original = module.get_parameter(tie.name)
         for spot, where in zip(tie.spots, tie.spot_stages):
             if where != stage:
-                _set_parameter(module, spot, nn.Parameter(torch.empty_like(original, device="meta"),
-                                                          original.requires_grad))
+                _set_parameter(
+                    module, spot, nn.Parameter(torch.empty_like(original, device="meta"), original.requires_grad)
+                )
 
 
 def _checksum(t: Tensor) -> Tensor:
@@ -139,8 +148,9 @@ class TiedCopies:
     otherwise average their gradients before the other stages' share had arrived.
     """
 
-    def __init__(self, module: nn.Sequential, ties: list[Tie], stage: int, layout: PipeLayout, rank: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, module: nn.Sequential, ties: list[Tie], stage: int, layout: PipeLayout, rank: int, device: torch.device
+    ) -> None:
         self.ties, self.stage, self.replicas = ties, stage, layout.num_replicas
         self.prefix = ""  # how error messages name the Sequential ("backbone."), set by the owner
         self.local: list[tuple[Tie, nn.Parameter]] = []
@@ -165,6 +175,7 @@ class TiedCopies:
             pending = self._pending[key]
             self._pending[key] = grad if pending is None else pending + grad
             return torch.zeros_like(grad)  # .grad keeps its value from the drain's start, equal on every holder
+
         return divert
 
     def excluded(self) -> set[int]:
@@ -188,14 +199,18 @@ class TiedCopies:
             for j, (tie, _) in enumerate(copies):
                 if any(bool(other[j] != everyone[0][j]) for other in everyone):
                     self._diverged(tie, ranks, [int(other[j]) for other in everyone])
-            flat = torch.cat([(self._pending[id(p)] if self._pending[id(p)] is not None else torch.zeros_like(p))
-                              .reshape(-1) for _, p in copies])
+            flat = torch.cat(
+                [
+                    (self._pending[id(p)] if self._pending[id(p)] is not None else torch.zeros_like(p)).reshape(-1)
+                    for _, p in copies
+                ]
+            )
             dist.all_reduce(flat, group=group)
             if self.replicas > 1:
                 flat.div_(self.replicas)
             offset = 0
             for _, p in copies:
-                total = flat[offset:offset + p.numel()].view_as(p)
+                total = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
                 if p.grad is None:
                     p.grad = total.clone()
@@ -213,7 +228,8 @@ class TiedCopies:
             "every stage must update its copy alike. Usually an optimizer treats one copy differently because it was "
             f"configured by parameter name (on stage {tie.stages[-1]} it is called "
             f"`{self.prefix}{tie.spot_on(tie.stages[-1])}`): give all of its names the same param group and "
-            "hyperparameters, and change its value on every stage or on none.")
+            "hyperparameters, and change its value on every stage or on none."
+        )
 
     def retie(self, module: nn.Sequential) -> None:
         """Make every tie one Parameter again in the reassembled ``module``, as the user's Sequential had it:
@@ -262,4 +278,5 @@ def refuse_ties_outside(module: nn.Module, backbone: nn.Module, prefix: str) -> 
                 f"The parameter `{name}` outside the backbone is the same tensor as `{prefix}{inside[id(p)]}` inside "
                 "it. Layers outside the backbone are replicated on every stage, so the gpipe strategy cannot keep "
                 f"that tie. Move the layer that uses `{name}` into the `{prefix.rstrip('.')}` Sequential (ties "
-                "between its layers are kept across stages), or give it a parameter of its own.")
+                "between its layers are kept across stages), or give it a parameter of its own."
+            )

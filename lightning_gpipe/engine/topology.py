@@ -30,8 +30,9 @@ class PipeLayout:
 
     def __post_init__(self) -> None:
         if self.pipe_size < 1 or self.world_size < 1:
-            raise ValueError(f"`pipe_size` and the world size must be positive, got {self.pipe_size} and "
-                             f"{self.world_size}.")
+            raise ValueError(
+                f"`pipe_size` and the world size must be positive, got {self.pipe_size} and {self.world_size}."
+            )
         if self.world_size % self.pipe_size:
             raise ValueError(
                 f"`pipe_size={self.pipe_size}` does not divide the {self.world_size} processes (devices x num_nodes); "
@@ -73,5 +74,9 @@ def make_mesh(layout: PipeLayout, device: torch.device) -> DeviceMesh:
     that small CPU collectives (object broadcasts, counts) work in GPU jobs too.
     """
     backend = backend_for(device)
-    return init_device_mesh(device.type, (layout.num_replicas, layout.pipe_size), mesh_dim_names=("dp", "pp"),
-                            backend_override={"dp": backend, "pp": backend})
+    return init_device_mesh(
+        device.type,
+        (layout.num_replicas, layout.pipe_size),
+        mesh_dim_names=("dp", "pp"),
+        backend_override={"dp": backend, "pp": backend},
+    )

@@ -33,15 +33,35 @@ class Genotype:
 #: states (0, 3, 4, 6), differs from the AmoebaNet paper's figure; it is the one that gives the GPipe
 #: paper's parameter counts.
 NORMAL = Genotype(
-    operations=((1, "conv_1x1"), (1, "max_pool_3x3"), (1, "none"), (0, "conv_1x7_7x1"), (0, "conv_1x1"),
-                (0, "conv_1x7_7x1"), (2, "max_pool_3x3"), (2, "none"), (1, "avg_pool_3x3"), (5, "conv_1x1")),
+    operations=(
+        (1, "conv_1x1"),
+        (1, "max_pool_3x3"),
+        (1, "none"),
+        (0, "conv_1x7_7x1"),
+        (0, "conv_1x1"),
+        (0, "conv_1x7_7x1"),
+        (2, "max_pool_3x3"),
+        (2, "none"),
+        (1, "avg_pool_3x3"),
+        (5, "conv_1x1"),
+    ),
     concat=(0, 3, 4, 6),
 )
 
 #: AmoebaNet-D's reduction cell: the operations on the two inputs (states 0 and 1) have stride 2.
 REDUCTION = Genotype(
-    operations=((0, "max_pool_2x2"), (0, "max_pool_3x3"), (2, "none"), (1, "conv_3x3"), (2, "conv_1x7_7x1"),
-                (2, "max_pool_3x3"), (3, "none"), (1, "max_pool_2x2"), (2, "avg_pool_3x3"), (3, "conv_1x1")),
+    operations=(
+        (0, "max_pool_2x2"),
+        (0, "max_pool_3x3"),
+        (2, "none"),
+        (1, "conv_3x3"),
+        (2, "conv_1x7_7x1"),
+        (2, "max_pool_3x3"),
+        (3, "none"),
+        (1, "max_pool_2x2"),
+        (2, "avg_pool_3x3"),
+        (3, "conv_1x1"),
+    ),
     concat=(4, 5, 6),
 )
 
@@ -53,8 +73,15 @@ class Cell(nn.Module):
     reading the two cells before it, be a plain Sequential.
     """
 
-    def __init__(self, genotype: Genotype, previous_channels: int, current_channels: int, channels: int,
-                 reduction: bool, previous_reduced: bool) -> None:
+    def __init__(
+        self,
+        genotype: Genotype,
+        previous_channels: int,
+        current_channels: int,
+        channels: int,
+        reduction: bool,
+        previous_reduced: bool,
+    ) -> None:
         super().__init__()
         self.genotype, self.reduction = genotype, reduction
         self.current = ReLUConvBN(current_channels, channels)
@@ -75,7 +102,8 @@ class Cell(nn.Module):
         if self.reduction and (current.shape[-1] % 2 or current.shape[-2] % 2):
             raise ValueError(
                 f"A reduction cell got a {tuple(current.shape[-2:])} feature map; it halves the resolution and needs "
-                "even sizes. Use images whose side is a multiple of 32 (the 'imagenet' stem) or of 4 (the 'small' stem)."
+                "even sizes. Use images whose side is a multiple of 32 (the 'imagenet' stem) or of 4 "
+                "(the 'small' stem)."
             )
         hidden = [self.current(current), self.previous(previous)]
         for i in range(0, len(self.operations), 2):
@@ -91,8 +119,9 @@ class Stem(nn.Sequential):
     """The first convolution: 3x3, stride 2 for ImageNet-sized images, stride 1 for small ones; then BatchNorm."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
-        super().__init__(nn.Conv2d(in_channels, out_channels, 3, stride, padding=1, bias=False),
-                         nn.BatchNorm2d(out_channels))
+        super().__init__(
+            nn.Conv2d(in_channels, out_channels, 3, stride, padding=1, bias=False), nn.BatchNorm2d(out_channels)
+        )
 
 
 class Classifier(nn.Module):
@@ -109,8 +138,15 @@ class Classifier(nn.Module):
         return self.fc(self.dropout(x))
 
 
-def amoebanetd(num_classes: int = 1000, num_layers: int = 18, num_filters: int = 256, *, in_channels: int = 3,
-               stem: Literal["imagenet", "small"] = "imagenet", dropout: float = 0.0) -> nn.Sequential:
+def amoebanetd(
+    num_classes: int = 1000,
+    num_layers: int = 18,
+    num_filters: int = 256,
+    *,
+    in_channels: int = 3,
+    stem: Literal["imagenet", "small"] = "imagenet",
+    dropout: float = 0.0,
+) -> nn.Sequential:
     """AmoebaNet-D (L, D) as a flat ``nn.Sequential`` of stem, cells and classifier; its output is the logits.
 
     ``num_layers`` (L) normal cells, in three groups of L/3 separated by two reduction cells that halve
@@ -148,8 +184,10 @@ def amoebanetd(num_classes: int = 1000, num_layers: int = 18, num_filters: int =
     if num_layers < 3 or num_layers % 3:
         raise ValueError(f"`num_layers` is the number of normal cells, a positive multiple of 3; got {num_layers}.")
     if num_filters < 8 or num_filters % 8:
-        raise ValueError(f"`num_filters` must be a multiple of 8 (the ImageNet stem starts at num_filters/4 "
-                         f"channels, halved again by FactorizedReduce); got {num_filters}.")
+        raise ValueError(
+            f"`num_filters` must be a multiple of 8 (the ImageNet stem starts at num_filters/4 "
+            f"channels, halved again by FactorizedReduce); got {num_filters}."
+        )
     if stem not in ("imagenet", "small"):
         raise ValueError(f"`stem` must be 'imagenet' or 'small', got {stem!r}.")
     layers: list[nn.Module] = []
@@ -169,7 +207,7 @@ def amoebanetd(num_classes: int = 1000, num_layers: int = 18, num_filters: int =
         add(REDUCTION, num_filters // 2)
         add(REDUCTION, num_filters)
     for group in range(3):
-        width = num_filters * 2 ** group
+        width = num_filters * 2**group
         if group:
             add(REDUCTION, width)
         for _ in range(num_layers // 3):

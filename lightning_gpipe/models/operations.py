@@ -18,8 +18,14 @@ __all__ = ["OPERATIONS", "FactorizedReduce", "ReLUConvBN", "bottleneck"]
 class ReLUConvBN(nn.Sequential):
     """ReLU, then a bias-free convolution, then BatchNorm: the unit every convolution of a cell is made of."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: Union[int, tuple[int, int]] = 1,
-                 stride: Union[int, tuple[int, int]] = 1, padding: Union[int, tuple[int, int]] = 0) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Union[int, tuple[int, int]] = 1,
+        stride: Union[int, tuple[int, int]] = 1,
+        padding: Union[int, tuple[int, int]] = 0,
+    ) -> None:
         super().__init__(
             nn.ReLU(),
             nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, bias=False),
@@ -90,8 +96,10 @@ def _max_pool_3x3(channels: int, stride: int) -> nn.Module:
 
 def _max_pool_2x2(channels: int, stride: int) -> nn.Module:
     if stride != 2:
-        raise ValueError("max_pool_2x2 only appears where a cell reduces (stride 2); with stride 1 it would shrink "
-                         "the feature map by a pixel.")
+        raise ValueError(
+            "max_pool_2x2 only appears where a cell reduces (stride 2); with stride 1 it would shrink "
+            "the feature map by a pixel."
+        )
     return nn.MaxPool2d(2, stride)
 
 

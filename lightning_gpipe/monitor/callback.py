@@ -17,9 +17,9 @@ from typing_extensions import override
 from lightning_gpipe._lightning import log_to_loggers, should_update_logs
 from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.schedule import bubble_fraction
-from lightning_gpipe.strategy import GPipeStrategy
-from lightning_gpipe.monitor.timer import FIELDS, Span, StageTimer, StepRecord, derived, peak_memory_bytes
 from lightning_gpipe.monitor.timeline import write_chrome_trace, write_timeline_png
+from lightning_gpipe.monitor.timer import FIELDS, Span, StageTimer, StepRecord, derived, peak_memory_bytes
+from lightning_gpipe.strategy import GPipeStrategy
 
 __all__ = ["PipelineMonitor"]
 
@@ -53,11 +53,13 @@ class PipelineMonitor(Callback):
         filename: the trace files' name without extension.
     """
 
-    def __init__(self, trace_steps: Sequence[int] = (1,), dirpath: Optional[str] = None,
-                 filename: str = "pipeline_trace") -> None:
+    def __init__(
+        self, trace_steps: Sequence[int] = (1,), dirpath: Optional[str] = None, filename: str = "pipeline_trace"
+    ) -> None:
         if isinstance(trace_steps, int) or not all(isinstance(s, int) and s >= 0 for s in trace_steps):
-            raise ValueError(f"`trace_steps` must be a list of training-batch indices >= 0, such as [1, 2], "
-                             f"got {trace_steps!r}.")
+            raise ValueError(
+                f"`trace_steps` must be a list of training-batch indices >= 0, such as [1, 2], got {trace_steps!r}."
+            )
         if not filename or os.sep in filename:
             raise ValueError(f"`filename` must be a file name without directory or extension, got {filename!r}.")
         self.trace_steps, self.dirpath, self.filename = frozenset(trace_steps), dirpath, filename
@@ -70,8 +72,10 @@ class PipelineMonitor(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit" and not isinstance(trainer.strategy, GPipeStrategy):
-            raise ValueError(f"PipelineMonitor measures a gpipe pipeline, but the Trainer's strategy is "
-                             f"{type(trainer.strategy).__name__}; use Trainer(strategy='gpipe', ...).")
+            raise ValueError(
+                f"PipelineMonitor measures a gpipe pipeline, but the Trainer's strategy is "
+                f"{type(trainer.strategy).__name__}; use Trainer(strategy='gpipe', ...)."
+            )
 
     def _pipe(self, trainer: "pl.Trainer") -> GPipe:
         pipe = trainer.strategy.pipe  # type: ignore[attr-defined]
@@ -92,14 +96,16 @@ class PipelineMonitor(Callback):
         self.table, self.summary = "", {}
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         assert self._timer is not None
         self._timer.begin_step(self._batches)
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         assert self._timer is not None
         self._timer.end_step()
         self._batches += 1
@@ -125,9 +131,12 @@ class PipelineMonitor(Callback):
         Gathers from every rank (``group=WORLD``): the strategy's own default is the replicas of one stage.
         """
         pipe = self._pipe(trainer)
-        mine = torch.tensor([*sums, peak_memory_bytes(pipe.device)], dtype=torch.float64,
-                            device=trainer.strategy.root_device)
-        rows = trainer.strategy.all_gather(mine, group=dist.group.WORLD).reshape(-1, mine.numel()).cpu()  # one small tensor, rank order
+        mine = torch.tensor(
+            [*sums, peak_memory_bytes(pipe.device)], dtype=torch.float64, device=trainer.strategy.root_device
+        )
+        rows = (
+            trainer.strategy.all_gather(mine, group=dist.group.WORLD).reshape(-1, mine.numel()).cpu()
+        )  # one small tensor, rank order
         stages = pipe.layout.pipe_size
         pooled = torch.zeros(stages, mine.numel(), dtype=torch.float64)
         for rank, row in enumerate(rows):
@@ -145,17 +154,36 @@ class PipelineMonitor(Callback):
             window += totals["window"]
             values = {k: v * 1e3 for k, v in totals.items() if k != "window"}  # seconds -> ms per step
             extra = derived(totals)
-            values.update(idle=extra["idle"] * 1e3, utilization=extra["utilization"], bubble=extra["bubble"],
-                          peak_memory_mb=row[-1] / 2**20)
+            values.update(
+                idle=extra["idle"] * 1e3,
+                utilization=extra["utilization"],
+                bubble=extra["bubble"],
+                peak_memory_mb=row[-1] / 2**20,
+            )
             per_stage[stage] = values
         return per_stage, (max(1.0 - busy / window, 0.0) if window > 0 else math.nan)
 
-    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", per_stage: dict[int, dict[str, float]],
-             bubble: float) -> None:
-        names = {"forward": "forward_ms", "recompute": "recompute_ms", "backward": "backward_ms", "wait": "wait_ms",
-                 "idle": "idle_ms", "step": "step_ms"}
-        metrics = {f"pipeline/stage{stage}/{names.get(k, k)}": v
-                   for stage, values in per_stage.items() for k, v in values.items() if not math.isnan(v)}
+    def _log(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        per_stage: dict[int, dict[str, float]],
+        bubble: float,
+    ) -> None:
+        names = {
+            "forward": "forward_ms",
+            "recompute": "recompute_ms",
+            "backward": "backward_ms",
+            "wait": "wait_ms",
+            "idle": "idle_ms",
+            "step": "step_ms",
+        }
+        metrics = {
+            f"pipeline/stage{stage}/{names.get(k, k)}": v
+            for stage, values in per_stage.items()
+            for k, v in values.items()
+            if not math.isnan(v)
+        }
         pipe = self._pipe(trainer)
         metrics["pipeline/bubble_theory"] = bubble_fraction(pipe.chunks, pipe.layout.pipe_size)
         if not math.isnan(bubble):
@@ -179,8 +207,12 @@ class PipelineMonitor(Callback):
         self.table = _table(self.summary, bubble, pipe, first_only=fit is self._first)
         rank_zero_info(self.table)
         if rows:
-            meta = {"stages": pipe.layout.pipe_size, "chunks": pipe.chunks, "checkpoint": pipe.checkpoint,
-                    "steps": sorted(self.trace_steps)}
+            meta = {
+                "stages": pipe.layout.pipe_size,
+                "chunks": pipe.chunks,
+                "checkpoint": pipe.checkpoint,
+                "steps": sorted(self.trace_steps),
+            }
             self.trace_path = write_chrome_trace(os.path.join(directory, self.filename + ".json"), rows, meta)
             title = f"{pipe.layout.pipe_size} stages, {pipe.chunks} micro-batches, checkpoint={pipe.checkpoint!r}"
             self.png_path = write_timeline_png(os.path.join(directory, self.filename + ".png"), rows, title)
@@ -188,15 +220,20 @@ class PipelineMonitor(Callback):
     def _gather_traces(self, trainer: "pl.Trainer") -> dict[tuple[int, int], list[StepRecord]]:
         """Every rank's traced steps, keyed by (replica, stage); collective (two small all-gathers)."""
         encoded = [[r.step, -1.0, -1.0, r.start, r.end] for r in self._traced]
-        encoded += [[r.step, float(_KINDS.index(s.kind)), s.micro, s.start, s.end] for r in self._traced
-                    for s in r.spans]
+        encoded += [
+            [r.step, float(_KINDS.index(s.kind)), s.micro, s.start, s.end] for r in self._traced for s in r.spans
+        ]
         device = trainer.strategy.root_device
         mine = torch.tensor(encoded, dtype=torch.float64, device=device).reshape(-1, 5)
-        counts = trainer.strategy.all_gather(torch.tensor([len(encoded)], device=device), group=dist.group.WORLD).reshape(-1).tolist()
+        counts = (
+            trainer.strategy.all_gather(torch.tensor([len(encoded)], device=device), group=dist.group.WORLD)
+            .reshape(-1)
+            .tolist()
+        )
         if max(counts) == 0:  # every rank sees the same counts, so every rank skips the gather
             return {}
         padded = torch.zeros(max(counts), 5, dtype=torch.float64, device=device)
-        padded[:len(encoded)] = mine
+        padded[: len(encoded)] = mine
         gathered = trainer.strategy.all_gather(padded, group=dist.group.WORLD).reshape(len(counts), -1, 5).cpu()
         layout = self._pipe(trainer).layout
         rows: dict[tuple[int, int], list[StepRecord]] = {}
@@ -222,15 +259,23 @@ def _table(summary: dict[int, dict[str, float]], bubble: float, pipe: GPipe, fir
     """The compact per-stage table printed at the end of fit."""
     stages, chunks = pipe.layout.pipe_size, pipe.chunks
     which = "the only step" if first_only else "steps after the first"
-    lines = [f"PipelineMonitor: {stages} stages x {chunks} micro-batches (checkpoint={pipe.checkpoint!r}), "
-             f"mean per step over {which}",
-             "| stage | forward ms | recompute ms | backward ms | wait ms | idle ms | step ms | utilization | bubble "
-             "| peak MiB |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"PipelineMonitor: {stages} stages x {chunks} micro-batches (checkpoint={pipe.checkpoint!r}), "
+        f"mean per step over {which}",
+        "| stage | forward ms | recompute ms | backward ms | wait ms | idle ms | step ms | utilization | bubble "
+        "| peak MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for stage in sorted(summary):
         values = summary[stage]
-        cells = [f"{values[c]:.1f}" if c in ("peak_memory_mb",) else
-                 f"{values[c]:.3f}" if c in ("utilization", "bubble") else f"{values[c]:.2f}" for c in _COLUMNS]
+        cells = [
+            f"{values[c]:.1f}"
+            if c in ("peak_memory_mb",)
+            else f"{values[c]:.3f}"
+            if c in ("utilization", "bubble")
+            else f"{values[c]:.2f}"
+            for c in _COLUMNS
+        ]
         lines.append(f"| {stage} | " + " | ".join(cells) + " |")
     lines.append(f"bubble: measured {bubble:.3f}, theory (K-1)/(M+K-1) = {bubble_fraction(chunks, stages):.3f}")
     return "\n".join(lines)

@@ -26,9 +26,13 @@ _COLOR = {"forward": "#4c9a2a", "recompute": "#5b8bd0", "backward": "#e08a2c"}
 
 def _boxes(rows: Rows) -> list[tuple[int, int, int, str, int, float, float]]:
     """(replica, stage, step, kind, micro, start, end) of every compute pass, in time order."""
-    boxes = [(replica, stage, record.step, s.kind, s.micro, s.start, s.end)
-             for (replica, stage), records in rows.items() for record in records
-             for s in record.spans if s.kind in COMPUTE]
+    boxes = [
+        (replica, stage, record.step, s.kind, s.micro, s.start, s.end)
+        for (replica, stage), records in rows.items()
+        for record in records
+        for s in record.spans
+        if s.kind in COMPUTE
+    ]
     return sorted(boxes, key=lambda b: b[5])
 
 
@@ -52,16 +56,26 @@ def chrome_trace(rows: Rows, metadata: Optional[Mapping[str, Any]] = None) -> di
         name = "pipeline" if len(replicas) == 1 else f"pipeline (replica {replica})"
         events.append({"ph": "M", "name": "process_name", "pid": replica, "tid": 0, "args": {"name": name}})
     for replica, stage in sorted(rows):
-        events.append({"ph": "M", "name": "thread_name", "pid": replica, "tid": stage,
-                       "args": {"name": f"stage {stage}"}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": replica, "tid": stage,
-                       "args": {"sort_index": stage}})
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": replica, "tid": stage, "args": {"name": f"stage {stage}"}}
+        )
+        events.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": replica, "tid": stage, "args": {"sort_index": stage}}
+        )
     for replica, stage, step, kind, micro, start, end in boxes:
-        events.append({
-            "ph": "X", "name": f"{_LETTER[kind]}{micro}", "cat": kind, "pid": replica, "tid": stage,
-            "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6, "cname": _CNAME[kind],
-            "args": {"step": step, "micro_batch": micro, "stage": stage},
-        })
+        events.append(
+            {
+                "ph": "X",
+                "name": f"{_LETTER[kind]}{micro}",
+                "cat": kind,
+                "pid": replica,
+                "tid": stage,
+                "ts": (start - origin) * 1e6,
+                "dur": (end - start) * 1e6,
+                "cname": _CNAME[kind],
+                "args": {"step": step, "micro_batch": micro, "stage": stage},
+            }
+        )
     other = {"clock": "time.time() of the host, microseconds from the first box", **(metadata or {})}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 

@@ -1,9 +1,9 @@
 """Per-stage timing of a pipeline: a timer that records steps on a shared clock.
 
 The engine reports each pass of its stage through ``GPipe.tracer``
-(:class:`lightning_gpipe.engine.tracer.Tracer`); :class:`StageTimer` implements it. On the CPU it stamps ``time.perf_counter``; on a GPU it records
-CUDA events on the current stream and reads them only once they have completed, so it adds no
-synchronization to the step. Times are then moved to one clock that every process of a host shares
+(:class:`lightning_gpipe.engine.tracer.Tracer`); :class:`StageTimer` implements it. On the CPU it
+stamps ``time.perf_counter``; on a GPU it records CUDA events on the current stream and reads them
+only once they have completed, so it adds no synchronization to the step. Times are then moved to one clock that every process of a host shares
 (see :func:`wall_clock_offset`), so the boxes of different stages can be compared.
 """
 
@@ -23,8 +23,7 @@ try:
 except ImportError:  # Windows: no getrusage
     resource = None  # type: ignore[assignment]
 
-__all__ = ["Span", "StepRecord", "StageTimer", "FIELDS", "COMPUTE", "wall_clock_offset",
-           "derived", "peak_memory_bytes"]
+__all__ = ["Span", "StepRecord", "StageTimer", "FIELDS", "COMPUTE", "wall_clock_offset", "derived", "peak_memory_bytes"]
 
 #: The passes that are work: their time is the stage's busy time.
 COMPUTE = ("forward", "recompute", "backward")
@@ -189,7 +188,9 @@ class StageTimer:
                     return token + self.offset
                 return origin + item.begin.elapsed_time(token) / 1e3
         else:
+
             def at(token: Any) -> float:
                 return token + self.offset
+
         spans = [Span(kind, micro, at(a), at(b)) for kind, micro, a, b in item.raw]
         return StepRecord(item.step, at(item.begin), at(item.end), spans)

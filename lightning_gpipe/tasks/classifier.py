@@ -36,15 +36,23 @@ class ImageClassifier(L.LightningModule):
             ``requires_grad=False`` and their BatchNorm statistics stay as they are (eval mode).
     """
 
-    def __init__(self, backbone: nn.Sequential, num_classes: int, optimizer: OptimizerCallable = torch.optim.Adam,
-                 lr_scheduler: Optional[LRSchedulerCallable] = None, warmup_epochs: float = 0.0,
-                 label_smoothing: float = 0.0, freeze: int = 0) -> None:
+    def __init__(
+        self,
+        backbone: nn.Sequential,
+        num_classes: int,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_scheduler: Optional[LRSchedulerCallable] = None,
+        warmup_epochs: float = 0.0,
+        label_smoothing: float = 0.0,
+        freeze: int = 0,
+    ) -> None:
         super().__init__()
         if not isinstance(backbone, nn.Sequential):
             raise TypeError(f"`backbone` must be an nn.Sequential of layers, got {type(backbone).__name__}.")
         if not 0 <= freeze <= len(backbone):
-            raise ValueError(f"`freeze` is how many leading backbone layers to freeze, 0 to {len(backbone)}; "
-                             f"got {freeze}.")
+            raise ValueError(
+                f"`freeze` is how many leading backbone layers to freeze, 0 to {len(backbone)}; got {freeze}."
+            )
         self.backbone = backbone
         self.num_classes, self.freeze = num_classes, freeze
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -72,8 +80,9 @@ class ImageClassifier(L.LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_acc, self.test_top5)
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str, top1: torchmetrics.Metric,
-                  top5: torchmetrics.Metric) -> None:
+    def _evaluate(
+        self, batch: tuple[Tensor, Tensor], stage: str, top1: torchmetrics.Metric, top5: torchmetrics.Metric
+    ) -> None:
         x, y = batch
         logits = self(x)
         top1(logits, y)
@@ -117,11 +126,21 @@ class AmoebaNetClassifier(ImageClassifier):
         The others: as in :class:`ImageClassifier`.
     """
 
-    def __init__(self, num_classes: int = 10, num_layers: int = 18, num_filters: int = 256, in_channels: int = 3,
-                 stem: Literal["imagenet", "small"] = "imagenet", dropout: float = 0.0,
-                 pretrained: Optional[str] = None, optimizer: OptimizerCallable = torch.optim.Adam,
-                 lr_scheduler: Optional[LRSchedulerCallable] = None, warmup_epochs: float = 0.0,
-                 label_smoothing: float = 0.0, freeze: int = 0) -> None:
+    def __init__(
+        self,
+        num_classes: int = 10,
+        num_layers: int = 18,
+        num_filters: int = 256,
+        in_channels: int = 3,
+        stem: Literal["imagenet", "small"] = "imagenet",
+        dropout: float = 0.0,
+        pretrained: Optional[str] = None,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_scheduler: Optional[LRSchedulerCallable] = None,
+        warmup_epochs: float = 0.0,
+        label_smoothing: float = 0.0,
+        freeze: int = 0,
+    ) -> None:
         backbone = amoebanetd(num_classes, num_layers, num_filters, in_channels=in_channels, stem=stem, dropout=dropout)
         if pretrained is not None:
             load_backbone_weights(backbone, pretrained, skip_last=1)
@@ -140,11 +159,13 @@ def load_backbone_weights(backbone: nn.Sequential, path: str, skip_last: int = 0
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds no state_dict; give a checkpoint of this package or a saved state_dict.")
     kept = {str(i) for i in range(len(backbone) - skip_last)}
-    backbone_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    backbone_state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     weights = {k: v for k, v in backbone_state.items() if k.split(".")[0] in kept}
     expected = {k for k in backbone.state_dict() if k.split(".")[0] in kept}
     missing, unexpected = expected - weights.keys(), weights.keys() - expected
     if missing or unexpected:
-        raise ValueError(f"{path} does not fit the backbone: missing {sorted(missing)[:5]}, unexpected "
-                         f"{sorted(unexpected)[:5]}. Build the model with the pretrained run's architecture.")
+        raise ValueError(
+            f"{path} does not fit the backbone: missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]}. Build the model with the pretrained run's architecture."
+        )
     backbone.load_state_dict(weights, strict=False)

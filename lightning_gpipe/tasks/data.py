@@ -42,11 +42,21 @@ class ImageDataModule(L.LightningDataModule):
         seed: of the splits, so that every process (every pipeline stage) gets the same ones.
     """
 
-    def __init__(self, dataset: Literal["digits", "cifar10", "cifar100", "imagefolder", "fake"] = "digits",
-                 data_dir: str = "data", download: bool = False, batch_size: int = 64,
-                 image_size: Optional[int] = None, augment: bool = True, val_fraction: float = 0.1,
-                 classes: Optional[Sequence[int]] = None, num_workers: int = 0, fake_size: int = 256,
-                 fake_classes: int = 10, seed: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: Literal["digits", "cifar10", "cifar100", "imagefolder", "fake"] = "digits",
+        data_dir: str = "data",
+        download: bool = False,
+        batch_size: int = 64,
+        image_size: Optional[int] = None,
+        augment: bool = True,
+        val_fraction: float = 0.1,
+        classes: Optional[Sequence[int]] = None,
+        num_workers: int = 0,
+        fake_size: int = 256,
+        fake_classes: int = 10,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         if dataset not in ("digits", "cifar10", "cifar100", "imagefolder", "fake"):
             raise ValueError(f"`dataset` must be digits, cifar10, cifar100, imagefolder or fake; got {dataset!r}.")
@@ -70,8 +80,10 @@ class ImageDataModule(L.LightningDataModule):
         if self.dataset == "imagefolder":
             train = os.path.join(self.data_dir, "train")
             if not os.path.isdir(train):
-                raise ValueError(f"dataset='imagefolder' reads {train}/<class>/<image>; that folder does not exist. "
-                                 "Set `data_dir` to a folder with train/ and val/ inside.")
+                raise ValueError(
+                    f"dataset='imagefolder' reads {train}/<class>/<image>; that folder does not exist. "
+                    "Set `data_dir` to a folder with train/ and val/ inside."
+                )
             return sum(entry.is_dir() for entry in os.scandir(train))
         return {"digits": 10, "cifar10": 10, "cifar100": 100, "fake": self.fake_classes}[self.dataset]
 
@@ -147,8 +159,14 @@ class ImageDataModule(L.LightningDataModule):
         if not self.splits:
             self.setup()
         # Training drops a last, smaller batch: a pipeline needs at least `chunks` samples per batch.
-        return DataLoader(self.splits[split], batch_size=self.batch_size, shuffle=train, drop_last=train,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            self.splits[split],
+            batch_size=self.batch_size,
+            shuffle=train,
+            drop_last=train,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)
