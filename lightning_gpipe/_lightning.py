@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -89,12 +89,11 @@ class MainProcessLauncher(_MultiProcessingLauncher):
         for key in meta:
             owner_name, _, name = key.rpartition(".")
             owner = module.get_submodule(owner_name)
-            if name in owner._parameters:
-                owner._parameters[name] = nn.Parameter(
-                    owner._parameters[name].to("meta"), requires_grad=owner._parameters[name].requires_grad
-                )
-            elif name in owner._buffers:
-                owner._buffers[name] = owner._buffers[name].to("meta")
+            param, buffer = owner._parameters.get(name), owner._buffers.get(name)
+            if param is not None:
+                owner._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            elif buffer is not None:
+                owner._buffers[name] = buffer.to("meta")
         module.load_state_dict({k: v for k, v in weights.items() if k not in set(meta)}, strict=False)
         self._strategy.checkpoint_io.remove_checkpoint(path)
         if meta:
@@ -138,17 +137,16 @@ def launcher(strategy: Any, start_method: str, on_failure: OnFailure) -> _Launch
     if start_method == "popen":
         chosen = _ReportingSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     else:
-        chosen = _ReportingMultiProcessingLauncher(strategy, start_method=start_method)
+        if start_method not in ("spawn", "fork", "forkserver"):
+            raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
+        chosen = _ReportingMultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
     chosen.on_failure = on_failure
     return chosen
 
 
 def init_process_group(environment: ClusterEnvironment, backend: str, device: torch.device, timeout: timedelta) -> None:
     """Initialize the default process group the way Lightning's DDP does (a no-op when it exists)."""
-    kwargs = {"timeout": timeout}
-    if device.type == "cuda":
-        kwargs["device_id"] = device  # type: ignore[assignment]
-    _init_dist_connection(environment, backend, **kwargs)
+    _init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
 
 
 optimizers_to_device = _optimizers_to_device
@@ -206,13 +204,15 @@ def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
     if trainer.state.fn not in loops:
         return None
     loop, step, name = loops[trainer.state.fn]
-    source = loop._data_source
+    source = loop._data_source  # type: ignore[attr-defined]  # private: see the docstring
     if not source.is_defined():
         return None
     loaders = source.dataloader()
     if loaders is None:
         return None
-    mode = "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
+    mode: Literal["max_size_cycle", "sequential"] = (
+        "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
+    )
     combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, mode)
     try:
         batch, _, _ = next(iter(combined))
@@ -284,6 +284,7 @@ def use_pipeline_summaries(trainer: "pl.Trainer") -> None:
     Lightning adds its ``ModelSummary`` callback itself, so each one in ``trainer.callbacks`` is replaced
     by a copy of it (same settings) that derives from :class:`_Pipeline` too (see :mod:`lightning_gpipe._subclass`).
     """
-    for i, callback in enumerate(trainer.callbacks):
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__, not declared
+    for i, callback in enumerate(callbacks):
         if isinstance(callback, ModelSummary):
-            trainer.callbacks[i] = copy_as(callback, _Pipeline)
+            callbacks[i] = copy_as(callback, _Pipeline)

@@ -12,7 +12,7 @@ package never assigns ``__class__`` on an object it was given).
 from __future__ import annotations
 
 import functools
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["copy_as"]
 
@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 
 @functools.lru_cache(maxsize=None)
-def _subclass(mixin: type, base: type) -> type:
+def _subclass(mixin: type, base: Any) -> Any:
     cls = type(f"{mixin.__name__.lstrip('_')}{base.__name__}", (mixin, base), {})
     cls.__qualname__ = cls.__name__
     cls.__module__ = mixin.__module__
@@ -43,7 +43,8 @@ def copy_as(obj: T, mixin: type) -> T:
     """
     if isinstance(obj, mixin):
         return obj
-    cls = _subclass(mixin, type(obj))
-    new = object.__new__(cls)
+    base: Any = type(obj)
+    cls: type[T] = _subclass(mixin, base)
+    new: T = object.__new__(cls)
     new.__dict__.update(obj.__dict__)
-    return new  # type: ignore[return-value]
+    return new

@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -220,7 +219,7 @@ class GPipeStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # how Lightning's strategies set it
 
     @override
     def setup_environment(self) -> None:
@@ -248,9 +247,9 @@ class GPipeStrategy(ParallelStrategy):
 
     def _backbone_owner(self, module: nn.Module) -> tuple[nn.Module, str]:
         *path, name = self.backbone.split(".")
-        owner = module
+        owner: Any = module
         for part in path:
-            owner = getattr(owner, part, None)  # type: ignore[assignment]
+            owner = getattr(owner, part, None)
             if owner is None:
                 break
         if owner is None or not hasattr(owner, name):
@@ -314,7 +313,9 @@ class GPipeStrategy(ParallelStrategy):
         rank_zero_info(
             f"GPipe split of `{self.backbone}` into {stages} stage{'s' * (stages > 1)} by "
             f"balance={self.balance!r}:\n"
-            + split_table(balance, parameter_costs(sequential), costs and costs.time, costs and costs.memory)
+            + split_table(
+                balance, parameter_costs(sequential), costs.time if costs else None, costs.memory if costs else None
+            )
             + ("" if costs else "\n(time and memory are measured with balance='time' or 'memory')")
         )
         return balance
@@ -350,12 +351,13 @@ class GPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         _refuse_fp16_scaler(self.precision_plugin)
         self.accelerator.setup(trainer)
-        plugin = copy_as(self.precision_plugin, _GlobalNormClipping)
+        plugin: Any = copy_as(self.precision_plugin, _GlobalNormClipping)  # the user's plugin class, subclassed
         plugin.pipeline = lambda: self.pipe
-        self.precision_plugin = plugin  # type: ignore[assignment]  # still the user's plugin class, subclassed
+        self.precision_plugin = plugin
         self.pipe = self._build_pipe()
         module = self.lightning_module
-        self.pipe.call_label = lambda: current_hook(module)  # type: ignore[arg-type]
+        assert module is not None and self.model is not None
+        self.pipe.call_label = lambda: current_hook(module)
         pipe, board = self.pipe, self._board
         if board is not None:
             board.add_check(lambda: pipe.idle_stray(self.failure_timeout))
@@ -557,9 +559,11 @@ class GPipeStrategy(ParallelStrategy):
         return local if full_backbone is None else model_state.merge_backbone(local, full_backbone, self.backbone + ".")
 
     def _optimizer_layout(self, optimizer: Any) -> optim_state.Layout:
-        names = optim_state.param_names(_unwrap(optimizer), self.lightning_module)
+        module = self.lightning_module
+        assert module is not None
+        names = optim_state.param_names(_unwrap(optimizer), module)
         everyone = self.pipe.gather(names, to_all=True) if self.pipe is not None else [names]
-        return optim_state.layout(everyone, self._full_names)
+        return optim_state.layout(everyone or [names], self._full_names)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -579,6 +583,7 @@ class GPipeStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Each stage takes its parameters' state, by name, from a checkpoint of any split or of one device."""
         module = self.lightning_module
+        assert module is not None
         for optimizer, saved, layout in zip(self.optimizers, checkpoint["optimizer_states"], self._layouts):
             optimizer = _unwrap(optimizer)
             if "groups" in saved:  # a sharded checkpoint keeps the named form
@@ -759,7 +764,7 @@ class GPipeStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         entries = (("gpipe", "popen"), ("gpipe_spawn", "spawn"), ("gpipe_fork", "fork"), ("gpipe_notebook", "fork"))
         for name, start_method in entries:
             strategy_registry.register(

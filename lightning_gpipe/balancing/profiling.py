@@ -64,7 +64,7 @@ def state_bytes(layer: nn.Module, optimizer_states: float = 2.0) -> int:
     stage only), so its state is assumed: 2 tensors the size of each parameter is Adam and AdamW
     (``exp_avg``, ``exp_avg_sq``); SGD with momentum keeps 1, plain SGD 0.
     """
-    total = sum(b.numel() * b.element_size() for b in layer.buffers())
+    total = float(sum(b.numel() * b.element_size() for b in layer.buffers()))
     for p in layer.parameters():
         size = p.numel() * p.element_size()
         total += size * (1 + (1 + optimizer_states) * p.requires_grad)

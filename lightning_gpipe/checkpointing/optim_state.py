@@ -78,8 +78,8 @@ def layout(local_names: Sequence[list[list[str]]], full_order: Sequence[str]) ->
                     )
     merged = []
     for g in range(groups):
-        names = {n for stage in local_names for n in stage[g]}
-        merged.append(sorted(names, key=lambda n: position.get(n, len(position))))
+        found = {n for stage in local_names for n in stage[g]}
+        merged.append(sorted(found, key=lambda n: position.get(n, len(position))))
     return merged
 
 

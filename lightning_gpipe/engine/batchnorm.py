@@ -44,6 +44,14 @@ class DeferredBatchNorm(_BatchNorm):
         model = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=4)
     """
 
+    # Buffers, always present here (track_running_stats=True); declared for the type checker.
+    running_mean: Tensor
+    running_var: Tensor
+    num_batches_tracked: Tensor
+    _count: Tensor
+    _mean: Tensor
+    _m2: Tensor
+
     def __init__(
         self,
         num_features: int,
@@ -99,11 +107,11 @@ class DeferredBatchNorm(_BatchNorm):
     def _commit(self) -> None:
         """Move the running statistics once, as BatchNorm on the whole mini-batch would."""
         count = float(self._count)
-        self.num_batches_tracked.add_(1)  # type: ignore[operator, union-attr]
-        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum  # type: ignore
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         unbiased = self._m2 / max(count - 1.0, 1.0)
-        self.running_mean.lerp_(self._mean.to(self.running_mean.dtype), factor)  # type: ignore[union-attr]
-        self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)  # type: ignore[union-attr]
+        self.running_mean.lerp_(self._mean.to(self.running_mean.dtype), factor)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
         self._reset()
 
     def _reset(self) -> None:
@@ -145,6 +153,8 @@ class DeferredBatchNorm(_BatchNorm):
         deferred = cls(norm.num_features, norm.eps, norm.momentum, norm.affine, chunks, device=device)
         if norm.affine:
             deferred.weight, deferred.bias = norm.weight, norm.bias
+        assert norm.running_mean is not None and norm.running_var is not None  # tracked: checked above
+        assert norm.num_batches_tracked is not None
         with torch.no_grad():
             deferred.running_mean = norm.running_mean
             deferred.running_var = norm.running_var

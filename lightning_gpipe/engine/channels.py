@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe.engine.distributed import backend_for
+from lightning_gpipe.engine.distributed import backend_for, new_group
 from lightning_gpipe.engine.failure import FailureBoard, PipelineError
 from lightning_gpipe.engine.messages import HEADER_LEN, Message, Tag, close_header, decode, encode
 from lightning_gpipe.engine.topology import PipeLayout
@@ -42,12 +42,16 @@ class Link:
     def send(self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag) -> None:
         """Start sending ``values``; the tensors are kept alive until they are delivered."""
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        header = encode(values, requires_grad, is_tuple, tag)
-        self._pending.append((dist.isend(header, self.dst, group=self.group), header))
+        self._isend(encode(values, requires_grad, is_tuple, tag))
         for value in values:
             if value is not None:
-                value = value.detach().contiguous()
-                self._pending.append((dist.isend(value, self.dst, group=self.group), value))
+                self._isend(value.detach().contiguous())
+
+    def _isend(self, tensor: Tensor) -> None:
+        work = dist.isend(tensor, self.dst, group=self.group)
+        if work is None:  # torch's answer for a rank outside the group
+            raise PipelineError(f"Cannot send to {self.name}: this rank is not in the pair's process group.")
+        self._pending.append((work, tensor))
 
     def flush(self) -> None:
         """Wait until everything sent so far has been received."""
@@ -60,8 +64,7 @@ class Link:
 
     def close(self) -> None:
         """Tell the peer's inbox that no more messages come."""
-        header = close_header()
-        self._pending.append((dist.isend(header, self.dst, group=self.group), header))
+        self._isend(close_header())
         self.flush()
 
 
@@ -89,7 +92,7 @@ class Inbox:
                     self._queue.put((time.monotonic(), None))
                     return
                 specs, tag, is_tuple = decoded
-                values = []
+                values: list[Optional[Tensor]] = []
                 for dtype, _, shape in specs:
                     if dtype is None:
                         values.append(None)
@@ -121,7 +124,8 @@ class Inbox:
             if item is None:
                 raise PipelineError(f"{self.name} closed its link while this stage still expected a message.")
             account = self.board.wait_for_failure(1.0)  # prefer the peer's own account of its failure
-            raise PipelineError(account or f"Lost the connection to {self.name}: {item}") from item  # type: ignore
+            error = item if isinstance(item, BaseException) else None
+            raise PipelineError(account or f"Lost the connection to {self.name}: {item}") from error
 
     def waiting(self) -> Optional[tuple[float, Message]]:
         """The oldest message not taken yet and how many seconds it has waited, if there is one."""
@@ -164,14 +168,15 @@ class Channels:
                 pairs |= {(a, b), (b, a)}
             pairs |= {(ranks[-1], r) for r in ranks[:-1]} | {(ranks[0], r) for r in ranks[1:]}
         for src, dst in sorted(pairs):  # every rank creates every group, in the same order
-            group = dist.new_group([src, dst], backend=backend, timeout=_FOREVER)
+            group = new_group([src, dst], backend, _FOREVER)
+            if group is None:  # this rank is not one of the pair
+                continue
             if rank == src:
                 self.links[dst] = Link(group, dst, f"stage {layout.stage_of(dst)} (rank {dst})")
             if rank == dst:
                 stage = layout.stage_of(src)
                 self.inboxes[src] = Inbox(group, src, device, f"stage {stage} (rank {src})", board, timeout)
-            if rank in (src, dst):
-                self._groups.append(group)
+            self._groups.append(group)
 
     def send(
         self, dst: int, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag

@@ -25,9 +25,9 @@ _local = threading.local()
 
 def check_checkpoint_mode(mode: object) -> str:
     """``mode`` if it names a policy, else a ``ValueError`` that lists them."""
-    if mode not in CHECKPOINT_MODES:
+    if not isinstance(mode, str) or mode not in CHECKPOINT_MODES:
         raise ValueError(f"`checkpoint` must be one of {CHECKPOINT_MODES}, got {mode!r}.")
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 def checkpointed(mode: str, micro: int, chunks: int) -> bool:

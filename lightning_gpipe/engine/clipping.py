@@ -29,9 +29,9 @@ def global_grad_norm(
     own_ids = {id(p) for p in stage_parameters}
     skip = {id(p) for p in counted_elsewhere}
     with_grad = [p for p in parameters if p.grad is not None and id(p) not in skip]
-    own = [p.grad for p in with_grad if id(p) in own_ids]
-    shared = [p.grad for p in with_grad if id(p) not in own_ids]
-    device = with_grad[0].grad.device if with_grad else torch.device("cpu")  # type: ignore[union-attr]
+    own = [p.grad for p in with_grad if p.grad is not None and id(p) in own_ids]
+    shared = [p.grad for p in with_grad if p.grad is not None and id(p) not in own_ids]
+    device = (own + shared)[0].device if with_grad else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
     if own:
         square = square + torch.nn.utils.get_total_norm(own, 2.0).float() ** 2

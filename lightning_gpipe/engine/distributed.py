@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "all_reduce",
     "broadcast_object",
     "gather_objects",
+    "new_group",
     "reduce_op",
     "Watch",
 ]
@@ -52,6 +54,13 @@ def backend_for(device: torch.device) -> str:
     Gloo beside NCCL lets small CPU messages (headers, objects, counts) travel in GPU jobs too.
     """
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def new_group(ranks: list[int], backend: str, timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
+    """A process group of ``ranks``; ``None`` on the ranks outside it. Collective: every rank of the job calls it,
+    for every group, in the same order."""
+    group = dist.new_group(ranks, timeout=timeout, backend=backend)
+    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 def wait(work: Optional[dist.Work], watch: Optional[Watch]) -> None:
@@ -157,10 +166,9 @@ def gather_objects(
         parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
         wait(dist.all_gather(parts, padded, group=group, async_op=True), watch)
     else:
-        parts = (
-            [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if dist.get_rank() == dst else None
-        )
-        wait(dist.gather(padded, parts, dst=dst, group=group, async_op=True), watch)
-        if parts is None:
+        mine = dist.get_rank() == dst
+        parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if mine else []
+        wait(dist.gather(padded, parts if mine else None, dst=dst, group=group, async_op=True), watch)
+        if not mine:
             return None
     return [_from_bytes(p[: int(s.item())]) for p, s in zip(parts, sizes)]

@@ -220,7 +220,9 @@ class FailureBoard:
 
     def _set_failure(self, message: str) -> None:
         try:
-            kept = self._store.compare_set(_KEY, "", message)  # type: ignore[union-attr]
+            if self._store is None:
+                return
+            kept = self._store.compare_set(_KEY, "", message)
             self._first = self._first or kept.decode() == message
         except Exception:  # the store itself may be gone (its host died); nothing more can be said
             pass
@@ -293,6 +295,7 @@ class FailureBoard:
                 f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after another "
                 f"rank failed and this one stayed blocked.\n{self._message}\n"
             )
-            traceback.print_stack(sys._current_frames().get(threading.main_thread().ident), file=sys.stderr)
+            main = threading.main_thread().ident
+            traceback.print_stack(sys._current_frames().get(main) if main is not None else None, file=sys.stderr)
             sys.stderr.flush()
             os._exit(1)

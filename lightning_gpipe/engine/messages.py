@@ -78,6 +78,12 @@ class Message:
     is_tuple: bool
     tag: Tag
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The values of a message that has no gaps (activations, the shared output): ``None`` is an error."""
+        if any(v is None for v in self.values):
+            raise PipelineError(f"{self.tag.describe()} arrived with missing tensors; the stages are out of step.")
+        return tuple(v for v in self.values if v is not None)
+
 
 def _encode_label(label: str) -> list[int]:
     raw = label.encode("ascii", "replace")[: 8 * _LABEL_FIELDS].ljust(8 * _LABEL_FIELDS, b"\0")

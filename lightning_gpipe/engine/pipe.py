@@ -348,7 +348,9 @@ class GPipe(nn.Module):
                 f"Layer {index} is not on this process (stage {self.stage} holds "
                 f"{[i for i, _ in self.local_layers()]})."
             )
-        return self._modules[name]  # type: ignore[return-value]
+        layer = self._modules[name]
+        assert layer is not None
+        return layer
 
     def extra_repr(self) -> str:
         return (

@@ -178,10 +178,9 @@ class StageRunner:
                 message = self._recv(self.ranks[self.stage - 1], Tag("forward", call, i, run.label, fingerprint))
                 in_flags = list(message.requires_grad) if train else []
                 values = tuple(
-                    v.requires_grad_() if train and f else v  # type: ignore[union-attr]
-                    for v, f in zip(message.values, message.requires_grad)
+                    v.requires_grad_() if train and f else v for v, f in zip(message.tensors(), message.requires_grad)
                 )
-                x = microbatch.from_tuple(values, message.is_tuple)  # type: ignore[arg-type]
+                x = microbatch.from_tuple(values, message.is_tuple)
             keep = train and not checkpointed(self.checkpoint, i, self.chunks)
             with torch.set_grad_enabled(keep), self._span("forward", i):
                 y, is_tuple = self._run_layers(x, call, i)
@@ -217,7 +216,7 @@ class StageRunner:
                 self._send(rank, values, [False] * len(values), is_tuple, tag)
         else:
             message = self._recv(self.ranks[-1], tag)
-            values, is_tuple = message.values, message.is_tuple  # type: ignore[assignment]
+            values, is_tuple = message.tensors(), message.is_tuple
         if self.channels is not None:
             with self._span("wait"):
                 self.channels.flush()
@@ -276,7 +275,7 @@ class StageRunner:
         tag = Tag("input gradient", run.call, -1, run.label)
         if run.input_needs_grad:
             if self.is_first:
-                grads = [None if col[0] is None else torch.cat(col) for col in zip(*per_micro)]  # type: ignore
+                grads = [None if col[0] is None else torch.cat(col) for col in zip(*per_micro)]
                 for rank in self.ranks[1:]:
                     self._send(rank, grads, [False] * len(grads), True, tag)
             else:

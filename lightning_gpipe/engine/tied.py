@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.engine.distributed import backend_for
+from lightning_gpipe.engine.distributed import backend_for, new_group
 from lightning_gpipe.engine.failure import PipelineError
 from lightning_gpipe.engine.microbatch import as_bits
 from lightning_gpipe.engine.partition import stage_bounds
@@ -158,8 +158,8 @@ class TiedCopies:
         backend = backend_for(device)
         for stages in sorted({t.stages for t in ties if t.across_stages}):
             ranks = sorted(pipeline[s] for pipeline in layout.pipelines for s in stages)
-            group = dist.new_group(ranks, backend=backend)  # collective: every rank, same order
-            if rank in ranks:
+            group = new_group(ranks, backend)  # collective: every rank, same order
+            if group is not None:
                 copies = [(t, module.get_parameter(t.spot_on(stage))) for t in ties if t.stages == stages]
                 self._groups.append((ranks, group, copies))
                 self.local.extend(copies)
@@ -199,12 +199,7 @@ class TiedCopies:
             for j, (tie, _) in enumerate(copies):
                 if any(bool(other[j] != everyone[0][j]) for other in everyone):
                     self._diverged(tie, ranks, [int(other[j]) for other in everyone])
-            flat = torch.cat(
-                [
-                    (self._pending[id(p)] if self._pending[id(p)] is not None else torch.zeros_like(p)).reshape(-1)
-                    for _, p in copies
-                ]
-            )
+            flat = torch.cat([self._pending_or_zeros(p).reshape(-1) for _, p in copies])
             dist.all_reduce(flat, group=group)
             if self.replicas > 1:
                 flat.div_(self.replicas)
@@ -217,6 +212,10 @@ class TiedCopies:
                 else:
                     p.grad.add_(total)
                 self._pending[id(p)] = None
+
+    def _pending_or_zeros(self, p: nn.Parameter) -> Tensor:
+        pending = self._pending[id(p)]
+        return pending if pending is not None else torch.zeros_like(p)
 
     def _diverged(self, tie: Tie, ranks: list[int], sums: list[int]) -> None:
         pipe = len(ranks) // self.replicas

@@ -78,7 +78,7 @@ class PipelineMonitor(Callback):
             )
 
     def _pipe(self, trainer: "pl.Trainer") -> GPipe:
-        pipe = trainer.strategy.pipe  # type: ignore[attr-defined]
+        pipe = getattr(trainer.strategy, "pipe", None)
         assert isinstance(pipe, GPipe), "the gpipe strategy builds its pipe in setup, before on_fit_start"
         return pipe
 

@@ -3,8 +3,9 @@
 The engine reports each pass of its stage through ``GPipe.tracer``
 (:class:`lightning_gpipe.engine.tracer.Tracer`); :class:`StageTimer` implements it. On the CPU it
 stamps ``time.perf_counter``; on a GPU it records CUDA events on the current stream and reads them
-only once they have completed, so it adds no synchronization to the step. Times are then moved to one clock that every process of a host shares
-(see :func:`wall_clock_offset`), so the boxes of different stages can be compared.
+only once they have completed, so it adds no synchronization to the step. Times are then moved to
+one clock that every process of a host shares (see :func:`wall_clock_offset`), so the boxes of
+different stages can be compared.
 """
 
 from __future__ import annotations

@@ -54,16 +54,16 @@ class ImageClassifier(L.LightningModule):
                 f"`freeze` is how many leading backbone layers to freeze, 0 to {len(backbone)}; got {freeze}."
             )
         self.backbone = backbone
-        self.num_classes, self.freeze = num_classes, freeze
+        self.num_classes, self.frozen_layers = num_classes, freeze  # not `freeze`: LightningModule.freeze()
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.warmup_epochs, self.label_smoothing = warmup_epochs, label_smoothing
         for layer in list(backbone)[:freeze]:
             layer.requires_grad_(False)
         top5 = min(5, num_classes)
-        metric = dict(task="multiclass", num_classes=num_classes)
-        self.val_acc, self.test_acc = torchmetrics.Accuracy(**metric), torchmetrics.Accuracy(**metric)
-        self.val_top5 = torchmetrics.Accuracy(**metric, top_k=top5)
-        self.test_top5 = torchmetrics.Accuracy(**metric, top_k=top5)
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
+        self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
+        self.val_top5 = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes, top_k=top5)
+        self.test_top5 = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes, top_k=top5)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.backbone(x)
@@ -99,7 +99,7 @@ class ImageClassifier(L.LightningModule):
         # Lightning puts the whole model in train mode before each epoch; frozen layers keep their statistics.
         # Under a pipeline the backbone holds only this stage's layers, still under their original indices.
         for name, layer in self.backbone.named_children():
-            if int(name) < self.freeze:
+            if int(name) < self.frozen_layers:
                 layer.eval()
 
     def configure_optimizers(self) -> Any:

@@ -97,6 +97,9 @@ class ImageDataModule(L.LightningDataModule):
         if self.splits:
             return
         generator = torch.Generator().manual_seed(self.seed)
+        train: Dataset
+        val: Dataset
+        test: Dataset
         if self.dataset == "digits":
             train, val, test = random_split(_digits(self.image_size), [1257, 180, 360], generator=generator)
         elif self.dataset in ("cifar10", "cifar100"):
@@ -123,8 +126,9 @@ class ImageDataModule(L.LightningDataModule):
         """Train and validation subsets of one training set, each with its own transform."""
         full = make(self._transform(train=True))
         n_val = max(int(len(full) * self.val_fraction), 1)
-        train_idx, val_idx = random_split(range(len(full)), [len(full) - n_val, n_val], generator=generator)
-        return Subset(full, list(train_idx)), Subset(make(self._transform(train=False)), list(val_idx))
+        order = torch.randperm(len(full), generator=generator).tolist()  # what random_split draws for the indices
+        train_idx, val_idx = order[: len(full) - n_val], order[len(full) - n_val :]
+        return Subset(full, train_idx), Subset(make(self._transform(train=False)), val_idx)
 
     def _select(self, dataset: Dataset) -> Dataset:
         if self.classes is None:
