@@ -38,6 +38,7 @@ __all__ = [
     "log_to_loggers",
     "optimizers_to_device",
     "should_update_logs",
+    "silence_sync_dist_advice",
     "silence_not_resumable_warning",
     "use_pipeline_summaries",
 ]
@@ -163,6 +164,23 @@ def silence_not_resumable_warning() -> None:
     warnings.filterwarnings(
         "ignore",
         message="You're resuming from a checkpoint that ended before the epoch ended",
+        category=PossibleUserWarning,
+    )
+
+
+def silence_sync_dist_advice() -> None:
+    """Drop Lightning's advice to log epoch-level values with ``sync_dist=True``, with one pipeline.
+
+    Lightning syncs logged values only under a strategy whose ``is_distributed`` is true, and it is false
+    with one pipeline (so that no DistributedSampler is injected). It then advises ``sync_dist=True`` on
+    every epoch-level value, even one logged with it; and there is nothing to sync: every stage of the
+    one pipeline holds the same values. With replicas the advice is real, so it is dropped only here.
+    """
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings(
+        "ignore",
+        message=r"It is recommended to use `self\.log\(.*sync_dist=True\)` when logging on epoch level",
         category=PossibleUserWarning,
     )
 

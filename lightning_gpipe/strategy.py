@@ -32,6 +32,7 @@ from lightning_gpipe._lightning import (
     launcher,
     optimizers_to_device,
     silence_not_resumable_warning,
+    silence_sync_dist_advice,
     use_pipeline_summaries,
 )
 from lightning_gpipe._subclass import copy_as
@@ -226,7 +227,8 @@ class GPipeStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        _ = self.layout  # validates pipe_size against the world size before any work
+        if self.layout.num_replicas == 1:  # also validates pipe_size against the world size, before any work
+            silence_sync_dist_advice()
         if self.world_size > 1:  # pipeline-1 needs no process group
             backend = self._process_group_backend or distributed.default_backend(self.root_device)
             init_process_group(self.cluster_environment, backend, self.root_device, self._process_group_timeout)
@@ -498,12 +500,17 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """Gather from the data-parallel replicas (by default), stacked in replica order."""
+        """Gather from the data-parallel replicas (by default), stacked in replica order.
+
+        Polled like every collective of the strategy; with ``sync_grads`` through Lightning's differentiable
+        gather, which blocks.
+        """
         if self._replicas_only(group) or not self._active():
             return tensor.unsqueeze(0)
-        return super().all_gather(
-            tensor, group=group if group is not None else self.replica_group, sync_grads=sync_grads
-        )
+        group = group if group is not None else self.replica_group
+        if sync_grads:
+            return super().all_gather(tensor, group=group, sync_grads=True)
+        return distributed.all_gather(tensor, group, self._watch("a gather", whole_pipeline=False))
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -556,7 +563,9 @@ class GPipeStrategy(ParallelStrategy):
         if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded" or self.failed:
             return local  # after a failure nothing is gathered: save_checkpoint writes nothing then
         full_backbone = model_state.gather_state_dict(self.pipe)
-        return local if full_backbone is None else model_state.merge_backbone(local, full_backbone, self.backbone + ".")
+        if full_backbone is None:
+            return local
+        return model_state.merge_backbone(local, full_backbone, self.backbone + ".", module)
 
     def _optimizer_layout(self, optimizer: Any) -> optim_state.Layout:
         module = self.lightning_module
@@ -621,7 +630,9 @@ class GPipeStrategy(ParallelStrategy):
                 keys = self.pipe.gather(list(self.pipe.state_dict()), to_all=False)
                 full = {k: None for part in keys or [] for k in part}
                 checkpoint["gpipe"]["state_dict_keys"] = list(
-                    model_state.merge_backbone(checkpoint["state_dict"], full, self.backbone + ".")
+                    model_state.merge_backbone(
+                        checkpoint["state_dict"], full, self.backbone + ".", self.lightning_module
+                    )
                 )
             save_sharded(checkpoint, path, writer=self.is_global_zero)
         elif self.is_global_zero:
@@ -695,8 +706,8 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         state_dict = checkpoint["state_dict"]
         if strict:  # every rank checks the whole model's keys: each loads only its own layers' entries
-            local = module.state_dict(keep_vars=True)
-            expected = model_state.full_keys(local, self.pipe, self.backbone + ".") if self.pipe else list(local)
+            prefix = self.backbone + "."
+            expected = model_state.full_keys(module, self.pipe, prefix) if self.pipe else list(module.state_dict())
             saved = self._saved_model_keys if self._saved_model_keys is not None else list(state_dict)
             model_state.check_keys(expected, saved, type(module).__name__)
         if self.pipe is not None:  # partitioned: this stage takes its layers' entries only

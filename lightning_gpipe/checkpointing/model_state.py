@@ -26,13 +26,21 @@ def gather_state_dict(pipe: GPipe) -> Optional[dict[str, Tensor]]:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def merge_backbone(local: dict[str, Any], backbone: dict[str, Any], prefix: str) -> dict[str, Any]:
+def merge_backbone(
+    local: dict[str, Any], backbone: dict[str, Any], prefix: str, module: Optional[nn.Module] = None
+) -> dict[str, Any]:
     """``local`` (one stage's module state) with its backbone entries replaced by the whole ``backbone``'s.
 
     The backbone's entries go where the stage's were, in layer order, so the keys come in the order a
-    one-device ``state_dict`` has them.
+    one-device ``state_dict`` has them. A stage without state of its own in the backbone (its layers
+    hold only activations) has no entry that marks the place: then ``module`` (the model ``local``
+    came from) tells where the backbone sits among its submodules; without it, the backbone goes last.
     """
     rest = {prefix + k: v for k, v in backbone.items()}
+    if not any(key.startswith(prefix) for key in local):
+        at = _backbone_slot(list(local), prefix, module) if module is not None else len(local)
+        keys = list(local)
+        return {**{k: local[k] for k in keys[:at]}, **rest, **{k: local[k] for k in keys[at:]}}
     merged: dict[str, Any] = {}
     for key, value in local.items():
         if not key.startswith(prefix):
@@ -40,14 +48,29 @@ def merge_backbone(local: dict[str, Any], backbone: dict[str, Any], prefix: str)
         elif rest:
             merged.update(rest)
             rest = {}
-    merged.update(rest)  # a first stage without state of its own (only activations, say)
     return merged
 
 
-def full_keys(local: dict[str, Any], pipe: GPipe, prefix: str) -> list[str]:
-    """The whole model's ``state_dict`` keys, as one device has them, from one stage's ``local`` state_dict."""
+def _backbone_slot(keys: list[str], prefix: str, module: nn.Module) -> int:
+    """Where the backbone's entries go among ``keys``: before the first entry of a module that a state_dict
+    visits after the backbone (it visits modules in pre-order, each module's own tensors first)."""
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    backbone = prefix[:-1]
+    if backbone not in order:
+        return len(keys)
+    for i, key in enumerate(keys):
+        owner = key.rpartition(".")[0]
+        inside = owner == backbone or owner.startswith(prefix)
+        if not inside and order.get(owner, -1) > order[backbone]:
+            return i
+    return len(keys)
+
+
+def full_keys(module: nn.Module, pipe: GPipe, prefix: str) -> list[str]:
+    """The whole model's ``state_dict`` keys, as one device has them, on one stage of ``module`` (its backbone,
+    under ``prefix``, partitioned by ``pipe``)."""
     full = dict.fromkeys(pipe.full_sequential().state_dict(keep_vars=True))
-    return list(merge_backbone(local, full, prefix))
+    return list(merge_backbone(module.state_dict(keep_vars=True), full, prefix, module))
 
 
 def check_keys(expected: list[str], saved: list[str], model: str) -> None:

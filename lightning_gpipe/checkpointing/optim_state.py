@@ -125,6 +125,10 @@ def localize(
                 "to this model's parameters by name; was it written for another model?"
             )
         by_name = dict(zip(saved_names, group["params"]))
+        if group.get("param_names") and any(n not in by_name for n in names):
+            by_name = _relative_to_a_submodule(by_name, names) or (
+                dict(zip(groups_layout[g], group["params"])) if groups_layout else by_name
+            )
         ids = []
         for name in names:
             if name not in by_name:
@@ -135,6 +139,21 @@ def localize(
             position += 1
         groups.append({**_hyper(group), "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def _relative_to_a_submodule(by_name: dict[str, int], names: list[str]) -> Optional[dict[str, int]]:
+    """``by_name`` under the model's names, when torch saved names relative to one submodule of the model.
+
+    ``Adam(self.backbone.named_parameters())`` on one device saves ``"0.weight"`` for the model's
+    ``"backbone.0.weight"``. The prefix is the one under which every parameter of this group is a saved
+    name; ``None`` if there is no such prefix or more than one.
+    """
+    if not names:
+        return None
+    first = names[0].split(".")
+    prefixes = {".".join(first[:i]) + "." for i in range(1, len(first))}
+    fits = [p for p in prefixes if all(n.startswith(p) and n[len(p) :] in by_name for n in names)]
+    return {fits[0] + k: v for k, v in by_name.items()} if len(fits) == 1 else None
 
 
 def from_named(named: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from lightning_gpipe._subclass import copy_as
 from lightning_gpipe.engine.rng import RandomState, get_rng_state, set_rng_state
@@ -102,6 +102,8 @@ def resumable(loader: DataLoader, consumed: Callable[[], int], device: torch.dev
     """
     batch_sampler = getattr(loader, "batch_sampler", None)
     if type(batch_sampler) is not torch.utils.data.BatchSampler or hasattr(loader, "pending_random_state"):
+        return loader
+    if isinstance(loader.dataset, IterableDataset):  # its batch sampler draws `None`s: skipping them skips no data
         return loader
     new = copy_as(loader, _Resumable)
     skipping = copy.copy(batch_sampler)

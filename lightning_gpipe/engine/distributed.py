@@ -26,6 +26,7 @@ __all__ = [
     "backend_for",
     "wait",
     "barrier",
+    "all_gather",
     "all_reduce",
     "broadcast_object",
     "gather_objects",
@@ -111,6 +112,13 @@ def reduce_op(op: Any) -> tuple[Any, bool]:
         return dist.ReduceOp.SUM, True
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     return ops.get(name, name), False
+
+
+def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, watch: Optional[Watch] = None) -> Tensor:
+    """``tensor`` from every rank of ``group``, stacked along a new first dim in group order (equal shapes)."""
+    parts = [torch.empty_like(tensor) for _ in range(_size(group))]
+    wait(dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True), watch)
+    return torch.stack(parts)
 
 
 def _as_bytes(obj: Any, device: torch.device) -> Tensor:
