@@ -139,3 +139,49 @@ def test_private_lightning_names_are_used_in_one_module_only():
             users[module] = private
     assert set(users) <= {"_lightning"}, f"private Lightning imports outside _lightning.py: {users}"
     assert users, "the check found no private import at all: the test no longer reads the source it should"
+
+
+def _defined(path: pathlib.Path) -> set[str]:
+    """Top-level functions and classes of a file, and ``Class.method`` for their methods."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}.{item.name}" for item in node.body if isinstance(item, ast.FunctionDef)}
+    return names
+
+
+def test_the_architecture_doc_names_files_and_functions_that_exist():
+    import re
+
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    references = re.findall(r"`([a-z_/]+\.py)(?:: ([A-Za-z_.]+))?`", doc)
+    assert len(references) > 40, "the doc walks the step through the files"
+    files = {p.relative_to(PACKAGE).as_posix(): p for p in PACKAGE.rglob("*.py")}
+    missing = []
+    for file, name in references:
+        matches = [p for rel, p in files.items() if rel == file or rel.endswith("/" + file)]
+        if not matches:
+            missing.append(file)
+        elif name and not any(name in _defined(p) for p in matches):
+            missing.append(f"{file}: {name}")
+    assert not missing, f"docs/architecture.md names what the code does not hold: {missing}"
+
+
+def test_the_architecture_doc_names_methods_that_exist():
+    import re
+
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    homes = {
+        "GPipeStrategy": "strategy.py",
+        "GPipe": "engine/pipe.py",
+        "StageRunner": "engine/stage.py",
+        "_Bridge": "engine/stage.py",
+        "TiedCopies": "engine/tied.py",
+        "Channels": "engine/channels.py",
+    }
+    named = re.findall(r"`(" + "|".join(homes) + r")\.([A-Za-z_]+)", doc)
+    assert len(named) > 15
+    missing = [f"{cls}.{name}" for cls, name in named if f"{cls}.{name}" not in _defined(PACKAGE / homes[cls])]
+    assert not missing, f"docs/architecture.md names methods the code does not have: {missing}"
