@@ -27,6 +27,8 @@ import os
 import _common as C
 import torch
 
+from lightning_gpipe.engine.schedule import bubble_fraction
+
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     device = C.device_for(rank, args.device)
@@ -91,7 +93,7 @@ def main() -> None:
         one = best[(cell["model"], 1, m)]
         cell["speedup"] = cell["samples_per_s"] / one["samples_per_s"]
         cell["efficiency"] = cell["speedup"] / k
-        cell["bubble_bound"] = m / (m + k - 1)
+        cell["bubble_bound"] = 1.0 - bubble_fraction(m, k)  # M / (M + K - 1)
         cell["of_bound"] = cell["efficiency"] / cell["bubble_bound"]
         if (cell["model"], 1, 1) in best:
             cell["over_k1_m1"] = cell["samples_per_s"] / best[(cell["model"], 1, 1)]["samples_per_s"]

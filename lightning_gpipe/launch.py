@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_gpipe.engine.distributed import is_distributed
+
 __all__ = ["Outcome", "WorkerFailed", "free_port", "run_ok", "run_processes"]
 
 
@@ -63,7 +65,7 @@ def _worker(
         torch.save({"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}, path)
         raise
     torch.save({"result": result}, path)
-    if dist.is_initialized():  # before the interpreter's teardown, which gloo can abort in
+    if is_distributed():  # before the interpreter's teardown, which gloo can abort in
         dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ LAYERS = {
     "monitor.timer": {"engine"},
     "monitor.timeline": {"engine", "monitor.timer"},
     "_subclass": set(),
-    "launch": set(),
+    "launch": {"engine"},
     "models": set(),
     "_lightning": {"engine", "_subclass"},
     "strategy": {"engine", "balancing", "checkpointing", "_lightning", "_subclass"},
