@@ -101,7 +101,7 @@ class MainProcessLauncher(_MultiProcessingLauncher):
             rank_zero_warn(
                 f"state_dict_type='sharded': the model in the main process holds only the first stage's trained "
                 f"layers; {len(meta)} tensors of the other stages are on the meta device. Load the whole model from "
-                "the sharded checkpoint with `lightning_gpipe.checkpointing.files.consolidate(path)`.",
+                "the sharded checkpoint with `lightning_gpipe.checkpointing.consolidate(path)`.",
                 category=UserWarning,
             )
         super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)

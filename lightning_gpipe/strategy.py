@@ -770,7 +770,7 @@ class GPipeStrategy(ParallelStrategy):
             rank_zero_info(
                 f"state_dict_type='sharded': after the run each rank holds only its own stage of `{self.backbone}` "
                 "(the other layers are on the meta device). For the whole model, load the sharded checkpoint "
-                "with `lightning_gpipe.checkpointing.files.consolidate(path)`."
+                "with `lightning_gpipe.checkpointing.consolidate(path)`."
             )
 
     @classmethod

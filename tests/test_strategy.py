@@ -79,7 +79,7 @@ def test_spawn_launcher_after_a_sharded_run_leaves_the_other_stages_on_meta_in_t
     model = M.Net()
     strategy = GPipeStrategy(chunks=2, start_method="spawn", state_dict_type="sharded", balance=[3, 4])
     trainer = L.Trainer(strategy=strategy, devices=2, **M.trainer_kwargs())
-    with pytest.warns(UserWarning, match=r"lightning_gpipe\.checkpoint\.consolidate"):
+    with pytest.warns(UserWarning, match=r"lightning_gpipe\.checkpointing\.consolidate"):
         trainer.fit(model, M.loader())
     reference = reference_run(_sweeps.Config("spawn"))
     for key, value in model.state_dict().items():
