@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torchmetrics
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -269,10 +270,23 @@ class GPipeStrategy(ParallelStrategy):
         sequential = getattr(owner, name)
         if isinstance(sequential, GPipe):  # set up again after a failed run that could not reassemble it
             sequential = sequential.full_sequential()
+        where = f"`{type(module).__name__}.{self.backbone}`"
+        compile_layers = "compile its layers instead (`for layer in backbone: layer.compile()`), which each stage runs"
+        if isinstance(getattr(sequential, "_orig_mod", None), nn.Sequential):  # torch.compile's wrapper module
+            raise TypeError(
+                f"{where} is `torch.compile(nn.Sequential(...))`, a compiled wrapper the pipeline cannot split into "
+                f"stages: {compile_layers}."
+            )
         if not isinstance(sequential, nn.Sequential):
             raise TypeError(
-                f"`{type(module).__name__}.{self.backbone}` is a {type(sequential).__name__}, but the gpipe strategy "
+                f"{where} is a {type(sequential).__name__}, but the gpipe strategy "
                 "splits an nn.Sequential into stages. Make the backbone an nn.Sequential of its layers."
+            )
+        if getattr(sequential, "_compiled_call_impl", None) is not None:  # set by nn.Module.compile()
+            raise ValueError(
+                f"{where}.compile() compiles the Sequential's call, but under the pipeline no stage calls the "
+                "Sequential (each runs only its own layers), so it would be silently dropped. Instead, "
+                f"{compile_layers}."
             )
         layout = self.layout
         if layout.pipe_size > len(sequential):
@@ -366,6 +380,7 @@ class GPipeStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_replicated()
+        self._sync_metrics_over_replicas()
         if trainer.state.fn == TrainerFn.FITTING:
             try:
                 self.setup_optimizers(trainer)
@@ -387,6 +402,22 @@ class GPipeStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)  # the other stages' layers are not submodules any more: they stay put
+
+    def _sync_metrics_over_replicas(self) -> None:
+        """Make the module's torchmetrics metrics sync over this stage's replicas, not over every rank.
+
+        A metric syncs over the default group (every rank) unless given a ``process_group``. Every stage of a
+        pipeline updates its metrics with the same values, so over every rank a sum would count each sample
+        once per stage. The replica group (DeviceMesh dim ``dp``) holds this rank alone with one pipeline,
+        which makes the sync a no-op. A metric given a group by the user keeps it.
+        """
+        module = self.lightning_module
+        if self._mesh is None or module is None:
+            return
+        group = self._mesh.get_group("dp")
+        for metric in module.modules():
+            if isinstance(metric, torchmetrics.Metric) and metric.process_group is None:
+                metric.process_group = group
 
     def _sync_replicated(self) -> None:
         """Give every stage the first stage's copy of the layers outside the backbone, and its random state.
@@ -464,19 +495,23 @@ class GPipeStrategy(ParallelStrategy):
 
     @property
     def replica_group(self) -> Optional[dist.ProcessGroup]:
-        """This rank's stage in every pipeline (DeviceMesh dim ``dp``): the group to reduce metrics over.
+        """This rank's stage in every pipeline (DeviceMesh dim ``dp``): the group to reduce over.
 
-        ``None`` with one pipeline. Pass it to torchmetrics as ``process_group`` so that metric states
-        are not counted once per stage.
+        ``None`` with one pipeline. The module's torchmetrics metrics sync over it without user code (see
+        ``_sync_metrics_over_replicas``); pass it as ``process_group`` to a metric kept outside the module.
         """
         if self._mesh is None or self.layout.num_replicas == 1:
             return None
         return self._mesh.get_group("dp")
 
-    def _replicas_only(self, group: Optional[Any]) -> bool:
-        # the default group of reduce and all_gather is the replicas of this stage: the stages of one
-        # pipeline hold the same values, and counting them once per stage would be wrong for a sum
-        return group is None and self.replica_group is None
+    def _over(self, group: Optional[Any]) -> Optional[Any]:
+        """The group a reduce or gather of user code runs over: this stage's replicas, for the default group.
+
+        The stages of one pipeline hold the same values, so over every rank a sum would count them once per
+        stage. ``LightningModule.all_gather`` passes ``group.WORLD`` for "every data-parallel rank", so the
+        whole world counts as the default too. ``None``: no other replica (nothing to reduce).
+        """
+        return self.replica_group if group is None or group is dist.group.WORLD else group
 
     @override
     def reduce(
@@ -488,9 +523,9 @@ class GPipeStrategy(ParallelStrategy):
         """Reduce over the data-parallel replicas (by default): every stage gets the same result."""
         if not isinstance(tensor, Tensor) or not self._active():
             return tensor
-        if self._replicas_only(group):
+        group = self._over(group)
+        if group is None:
             return tensor.clone()
-        group = group if group is not None else self.replica_group
         torch_op, mean = distributed.reduce_op(reduce_op)
         tensor = tensor.float() if mean and not tensor.is_floating_point() else tensor.clone()
         distributed.all_reduce(tensor, torch_op, group, self._watch("a reduce", whole_pipeline=False))
@@ -505,9 +540,9 @@ class GPipeStrategy(ParallelStrategy):
         Polled like every collective of the strategy; with ``sync_grads`` through Lightning's differentiable
         gather, which blocks.
         """
-        if self._replicas_only(group) or not self._active():
+        group = self._over(group)
+        if group is None or not self._active():
             return tensor.unsqueeze(0)
-        group = group if group is not None else self.replica_group
         if sync_grads:
             return super().all_gather(tensor, group=group, sync_grads=True)
         return distributed.all_gather(tensor, group, self._watch("a gather", whole_pipeline=False))

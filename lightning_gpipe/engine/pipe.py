@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn, Optional, Union
@@ -341,16 +343,48 @@ class GPipe(nn.Module):
             "parameters by name (`named_parameters()` of the LightningModule)."
         )
 
-    def __getitem__(self, index: int) -> nn.Module:
-        name = str(index if index >= 0 else self.num_layers + index)
-        if name not in self._modules:
-            raise IndexError(
-                f"Layer {index} is not on this process (stage {self.stage} holds "
-                f"{[i for i, _ in self.local_layers()]})."
-            )
-        layer = self._modules[name]
+    def __getitem__(self, index: Union[int, slice]) -> nn.Module:
+        """A layer, or a Sequential of layers for a slice, as ``nn.Sequential`` indexes: only this stage's layers.
+
+        Indexing a layer another stage holds raises an ``IndexError`` that names the layer, its stage
+        and what to use instead. The same code runs on every rank, so the run then fails on every rank
+        (the other ranks learn it from the failure board within a second).
+        """
+        if isinstance(index, slice):
+            indices = list(range(self.num_layers)[index])
+            self._refuse_missing([i for i in indices if str(i) not in self._modules])
+            return nn.Sequential(OrderedDict((str(i), self._layer(i)) for i in indices))
+        i = operator.index(index)
+        if not -self.num_layers <= i < self.num_layers:
+            raise IndexError(f"index {index} is out of range for a backbone of {self.num_layers} layers")
+        i %= self.num_layers
+        self._refuse_missing([i] if str(i) not in self._modules else [])
+        return self._layer(i)
+
+    def _layer(self, i: int) -> nn.Module:
+        layer = self._modules[str(i)]
         assert layer is not None
         return layer
+
+    def _refuse_missing(self, missing: list[int]) -> None:
+        if not missing:
+            return
+        bounds = stage_bounds(self.balance)
+        where = ", ".join(
+            f"layer {i} ({type(self.full_sequential()[i]).__name__}) on stage {s} (rank {self.ranks[s]})"
+            for i in missing
+            for s, (start, stop) in enumerate(bounds)
+            if start <= i < stop
+        )
+        name = self.ties.prefix or "backbone."
+        raise IndexError(
+            f"The backbone is partitioned over {self.layout.pipe_size} stages: {where}, but this process runs stage "
+            f"{self.stage}, which holds layers {[i for i, _ in self.local_layers()]}. The same code runs on every "
+            f"rank, so the run stops on every rank. Select layers by parameter name instead, e.g. "
+            f"`[p for n, p in self.named_parameters() if n.startswith('{name}{missing[0]}.')]` for a param group "
+            "(empty on the stages without the layer, which torch optimizers accept), or use "
+            "`local_layers()` for this stage's (index, layer) pairs."
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -9,12 +9,12 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_gpipe._lightning import log_to_loggers, should_update_logs
+from lightning_gpipe.engine import distributed
 from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.schedule import bubble_fraction
 from lightning_gpipe.monitor.timeline import write_chrome_trace, write_timeline_png
@@ -128,14 +128,16 @@ class PipelineMonitor(Callback):
     def _gather(self, trainer: "pl.Trainer", sums: list[float]) -> tuple[dict[int, dict[str, float]], float]:
         """Every stage's per-step averages (replicas of a stage pooled), and the pipeline's bubble; collective.
 
-        Gathers from every rank (``group=WORLD``): the strategy's own default is the replicas of one stage.
+        Gathers from every rank: the strategy's collectives, for user code, run over the replicas of one stage.
         """
         pipe = self._pipe(trainer)
         mine = torch.tensor(
             [*sums, peak_memory_bytes(pipe.device)], dtype=torch.float64, device=trainer.strategy.root_device
         )
         rows = (
-            trainer.strategy.all_gather(mine, group=dist.group.WORLD).reshape(-1, mine.numel()).cpu()
+            distributed.all_gather(mine, watch=self._pipe(trainer).watch("PipelineMonitor's gather"))
+            .reshape(-1, mine.numel())
+            .cpu()
         )  # one small tensor, rank order
         stages = pipe.layout.pipe_size
         pooled = torch.zeros(stages, mine.numel(), dtype=torch.float64)
@@ -226,7 +228,9 @@ class PipelineMonitor(Callback):
         device = trainer.strategy.root_device
         mine = torch.tensor(encoded, dtype=torch.float64, device=device).reshape(-1, 5)
         counts = (
-            trainer.strategy.all_gather(torch.tensor([len(encoded)], device=device), group=dist.group.WORLD)
+            distributed.all_gather(
+                torch.tensor([len(encoded)], device=device), watch=self._pipe(trainer).watch("PipelineMonitor's gather")
+            )
             .reshape(-1)
             .tolist()
         )
@@ -234,7 +238,11 @@ class PipelineMonitor(Callback):
             return {}
         padded = torch.zeros(max(counts), 5, dtype=torch.float64, device=device)
         padded[: len(encoded)] = mine
-        gathered = trainer.strategy.all_gather(padded, group=dist.group.WORLD).reshape(len(counts), -1, 5).cpu()
+        gathered = (
+            distributed.all_gather(padded, watch=self._pipe(trainer).watch("PipelineMonitor's gather"))
+            .reshape(len(counts), -1, 5)
+            .cpu()
+        )
         layout = self._pipe(trainer).layout
         rows: dict[tuple[int, int], list[StepRecord]] = {}
         for rank, (count, block) in enumerate(zip(counts, gathered)):

@@ -1,0 +1,342 @@
+"""Ordinary Lightning and PyTorch features, each a small training run that `test_compatibility.py` runs twice.
+
+Once pipelined (K=2, in two processes) and once on one device without this package; the test compares
+what each scenario records. Every scenario builds its own module, data and Trainer settings, so that one
+spawn of two processes can run them all (``import torch`` costs seconds per process).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+FEATURES, CLASSES, SAMPLES, BATCH = 6, 3, 32, 8
+
+
+def _data(samples: int = SAMPLES, tokens: bool = False) -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 20, (samples, 5), generator=g) if tokens else torch.randn(samples, FEATURES, generator=g)
+    return TensorDataset(x, torch.randint(0, CLASSES, (samples,), generator=g))
+
+
+def _loader(**kwargs: Any) -> DataLoader:
+    return DataLoader(_data(**kwargs), batch_size=BATCH)
+
+
+def _backbone() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(FEATURES, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, CLASSES))
+
+
+class Base(L.LightningModule):
+    """A backbone and nothing else; the scenarios change one thing each."""
+
+    def __init__(self, backbone: Optional[nn.Sequential] = None) -> None:
+        super().__init__()
+        self.backbone = backbone if backbone is not None else _backbone()
+        self.record: dict[str, Any] = {}
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.backbone(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@dataclass
+class Scenario:
+    module: L.LightningModule
+    train: DataLoader = field(default_factory=_loader)
+    val: Optional[DataLoader] = None
+    trainer: dict[str, Any] = field(default_factory=dict)
+    callbacks: list[Any] = field(default_factory=list)
+    logger: bool = False
+
+
+# -- the scenarios --------------------------------------------------------------------------------------
+
+
+def accumulate_grad_batches() -> Scenario:
+    return Scenario(Base(), trainer={"accumulate_grad_batches": 2})
+
+
+def clip_by_norm() -> Scenario:
+    return Scenario(Base(), trainer={"gradient_clip_val": 0.05})
+
+
+def clip_by_value() -> Scenario:
+    return Scenario(Base(), trainer={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"})
+
+
+class WithStepLR(Base):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def lr_scheduler() -> Scenario:
+    return Scenario(WithStepLR())
+
+
+class WithPlateau(Base):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=10.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+
+def reduce_lr_on_plateau() -> Scenario:
+    return Scenario(WithPlateau(), val=_loader(samples=16), trainer={"max_epochs": 3})
+
+
+class Manual(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self.loss(batch))
+        optimizer.step()
+
+
+def manual_optimization() -> Scenario:
+    return Scenario(Manual())
+
+
+class TwoOptimizers(Base):
+    """Manual optimization with one optimizer for the first half of the backbone and one for the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        first, second = self.optimizers()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(self.loss(batch))
+        first.step()
+        second.step()
+
+    def configure_optimizers(self) -> Any:
+        named = list(self.named_parameters())
+        early = [p for n, p in named if n.split(".")[1] in ("0", "1", "2")]
+        late = [p for n, p in named if n.split(".")[1] not in ("0", "1", "2")]
+        # a param group may be empty on a stage that holds none of those layers
+        return torch.optim.SGD([{"params": early}], lr=0.1), torch.optim.Adam([{"params": late}], lr=0.01)
+
+
+def two_optimizers() -> Scenario:
+    return Scenario(TwoOptimizers())
+
+
+def early_stopping() -> Scenario:
+    stop = EarlyStopping(monitor="train_loss_epoch", min_delta=1e3, patience=1, mode="min")
+    return Scenario(Base(), trainer={"max_epochs": 6}, callbacks=[stop])
+
+
+class Metrics(Base):
+    """torchmetrics in training and validation: a mean (Accuracy), a sum and a concatenation, and all_gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES)
+        self.seen = torchmetrics.SumMetric()
+        self.targets = torchmetrics.CatMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        self.seen.update(torch.tensor(float(len(y))))
+        return super().training_step(batch, batch_idx)
+
+    def on_train_epoch_end(self) -> None:
+        self.record.setdefault("samples_seen", []).append(self.seen.compute().item())
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.backbone(x)
+        self.accuracy(logits, y)
+        self.targets.update(y.float())
+        self.log("val_acc", self.accuracy, on_epoch=True)
+        self.log("val_loss_sync", F.cross_entropy(logits, y), sync_dist=True)
+        gathered = self.all_gather(logits.sum())
+        self.record.setdefault("all_gather_shapes", []).append(tuple(gathered.shape))
+
+    def on_validation_epoch_end(self) -> None:
+        self.record["val_targets"] = self.targets.compute().tolist()
+        self.targets.reset()
+
+
+def metrics() -> Scenario:
+    return Scenario(Metrics(), val=_loader(samples=16))
+
+
+def loggers_and_lr_monitor() -> Scenario:
+    return Scenario(
+        WithStepLR(),
+        callbacks=[LearningRateMonitor(logging_interval="step")],
+        logger=True,
+        trainer={"log_every_n_steps": 1},
+    )
+
+
+def compiled_layers() -> Scenario:
+    backbone = _backbone()
+    for layer in backbone:
+        layer.compile(backend="eager")  # compiled layers run inside the stages as they are
+    return Scenario(Base(backbone))
+
+
+class Language(Base):
+    """Tokens in, an Embedding first: the first stage takes integer input, which has no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Sequential(nn.Embedding(20, 4), nn.Flatten(), nn.Linear(20, 12), nn.Tanh(), nn.Linear(12, CLASSES))
+        )
+
+
+def embedding_first() -> Scenario:
+    return Scenario(Language(), train=_loader(tokens=True))
+
+
+class Twice(Base):
+    """Two backbone calls in one step (a siamese loss); the drain runs once per call."""
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.backbone(x), y) + 0.5 * self.backbone(x.flip(0)).square().mean()
+
+
+def backbone_called_twice() -> Scenario:
+    return Scenario(Twice())
+
+
+class Split(nn.Module):
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, x.tanh()
+
+
+class Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, FEATURES)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return self.linear(pair[0]) * pair[1]
+
+
+def tuples_across_stages() -> Scenario:
+    backbone = nn.Sequential(nn.Linear(FEATURES, FEATURES), Split(), Join(), nn.Linear(FEATURES, CLASSES))
+    return Scenario(Base(backbone))  # split [2, 2]: the pair crosses the boundary
+
+
+SCENARIOS: dict[str, Callable[[], Scenario]] = {
+    f.__name__: f
+    for f in (
+        accumulate_grad_batches,
+        clip_by_norm,
+        clip_by_value,
+        lr_scheduler,
+        reduce_lr_on_plateau,
+        manual_optimization,
+        two_optimizers,
+        early_stopping,
+        metrics,
+        loggers_and_lr_monitor,
+        compiled_layers,
+        embedding_first,
+        backbone_called_twice,
+        tuples_across_stages,
+    )
+}
+
+
+# -- running them ---------------------------------------------------------------------------------------
+
+
+def _logged(directory: str) -> list[dict[str, str]]:
+    files = glob.glob(os.path.join(directory, "**", "metrics.csv"), recursive=True)
+    if not files:
+        return []
+    with open(files[0]) as f:
+        return [{k: v for k, v in row.items() if v} for row in csv.DictReader(f)]
+
+
+def run(name: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
+    """One scenario's training; what it learnt and recorded (the whole model is back in the module after fit)."""
+    L.seed_everything(0, verbose=False)
+    scenario = SCENARIOS[name]()
+    with tempfile.TemporaryDirectory() as logs:
+        settings = {"max_epochs": 2, **scenario.trainer}
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=strategy,
+            logger=CSVLogger(logs, name="run") if scenario.logger else False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=scenario.callbacks,
+            **settings,
+        )
+        trainer.fit(scenario.module, scenario.train, scenario.val)
+        logged = _logged(logs) if scenario.logger and trainer.is_global_zero else None
+    return {
+        "weights": {k: v.detach().clone() for k, v in scenario.module.state_dict().items()},
+        "metrics": {k: v.detach().clone() for k, v in trainer.callback_metrics.items()},
+        "steps": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        "record": scenario.module.record,
+        "logged": logged,
+    }
+
+
+def one_device(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    torch.set_num_threads(1)
+    return {name: run(name) for name in names}
+
+
+def pipelined(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    from lightning_gpipe import GPipeStrategy
+
+    torch.set_num_threads(1)
+    return {name: run(name, GPipeStrategy(chunks=2), world_size) for name in names}
+
+
+def ddp(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    torch.set_num_threads(1)
+    return {name: run(name, "ddp", world_size) for name in names}
+
+
+def pipelined_replicas(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Two data-parallel replicas of a two-stage pipeline (``world_size`` 4)."""
+    from lightning_gpipe import GPipeStrategy
+
+    torch.set_num_threads(1)
+    return {name: run(name, GPipeStrategy(chunks=2, pipe_size=2), world_size) for name in names}

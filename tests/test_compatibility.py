@@ -1,0 +1,106 @@
+"""Ordinary Lightning features under the pipeline (K=2) against one device: the rows of docs/compatibility.md."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import _compat
+import pytest
+import torch
+
+from lightning_gpipe.launch import run_ok
+
+NAMES = list(_compat.SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(one device, [rank 0, rank 1] pipelined), for every scenario; two spawns in all."""
+    (reference,) = run_ok(_compat.one_device, 1, NAMES, timeout=600)
+    pipelined = run_ok(_compat.pipelined, 2, NAMES, timeout=600)
+    return reference, pipelined
+
+
+def _same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert list(got) == list(want)  # the whole model, under the one-device keys, in one-device order
+    worst = 0.0
+    for key in want:
+        worst = max(worst, (got[key] - want[key]).abs().max().item())
+    return worst
+
+
+def _check(name: str, runs: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    reference, pipelined = runs
+    want = reference[name]
+    ranks = [rank[name] for rank in pipelined]
+    for got in ranks:  # every rank ends with the one-device model, at the same step
+        assert _same_weights(got["weights"], want["weights"]) <= 1e-6, name
+        assert (got["steps"], got["epochs"]) == (want["steps"], want["epochs"])
+        assert set(got["metrics"]) == set(want["metrics"])
+        for key, value in want["metrics"].items():
+            torch.testing.assert_close(got["metrics"][key], value, atol=1e-6, rtol=0, msg=f"{name}: {key}")
+    return want, ranks
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "accumulate_grad_batches",
+        "clip_by_norm",
+        "clip_by_value",
+        "lr_scheduler",
+        "reduce_lr_on_plateau",
+        "manual_optimization",
+        "two_optimizers",
+        "compiled_layers",
+        "embedding_first",
+        "backbone_called_twice",
+        "tuples_across_stages",
+    ],
+)
+def test_feature_trains_as_on_one_device(name, runs):
+    _check(name, runs)
+
+
+def test_early_stopping_stops_every_stage_at_the_one_device_epoch(runs):
+    want, ranks = _check("early_stopping", runs)
+    assert want["epochs"] < 6  # it did stop early
+
+
+def test_metrics_sum_cat_accuracy_sync_dist_and_all_gather_count_each_sample_once(runs):
+    want, ranks = _check("metrics", runs)
+    for got in ranks:
+        assert got["record"]["samples_seen"] == want["record"]["samples_seen"] == [32.0, 64.0]  # not 2x per stage
+        assert got["record"]["val_targets"] == want["record"]["val_targets"]  # CatMetric: each sample once
+        assert len(want["record"]["val_targets"]) == 16
+        # one pipeline is one data-parallel rank: all_gather stacks one row, as DDP with one process does
+        assert set(got["record"]["all_gather_shapes"]) == {(1,)}
+    assert not math.isnan(want["metrics"]["val_acc"].item())
+
+
+def test_csv_logger_and_learning_rate_monitor_write_the_one_device_rows_on_rank_zero(runs):
+    want, ranks = _check("loggers_and_lr_monitor", runs)
+    assert ranks[1]["logged"] is None  # loggers write on rank zero only
+    got = ranks[0]["logged"]
+    assert [sorted(row) for row in got] == [sorted(row) for row in want["logged"]]
+    assert any("lr-SGD" in row for row in got)
+    for row, expected in zip(got, want["logged"]):
+        for key, value in expected.items():
+            assert float(row[key]) == pytest.approx(float(value), abs=1e-6), key
+
+
+def test_metrics_over_two_replicas_of_two_stages_equal_ddp_over_two_processes():
+    ddp = run_ok(_compat.ddp, 2, ["metrics"], timeout=600)
+    pipelined = run_ok(_compat.pipelined_replicas, 4, ["metrics"], timeout=600)
+    want = ddp[0]["metrics"]
+    assert want["record"]["samples_seen"] == [32.0, 64.0]  # the sum over both data-parallel ranks
+    for rank, got in enumerate(r["metrics"] for r in pipelined):
+        replica = rank // 2
+        expected = ddp[replica]["metrics"]
+        assert _same_weights(got["weights"], expected["weights"]) <= 1e-6
+        assert got["record"]["samples_seen"] == expected["record"]["samples_seen"]
+        assert got["record"]["val_targets"] == expected["record"]["val_targets"]  # gathered over the replicas
+        assert got["record"]["all_gather_shapes"] == expected["record"]["all_gather_shapes"] == [(2,)] * 2
+        for key, value in expected["metrics"].items():
+            torch.testing.assert_close(got["metrics"][key], value, atol=1e-6, rtol=0, msg=key)
