@@ -84,8 +84,11 @@ class GPipeStrategy(ParallelStrategy):
             micro-batch of the first batch of the dataloader (run through ``training_step`` up to the
             backbone), or of ``example_input_array`` (run through ``forward``) when that fails; the
             split is broadcast to every rank. The chosen split is logged on rank 0.
-        chunks: micro-batches per batch (``M``). Results do not depend on the number of stages; with
-            random layers (dropout) they do depend on ``chunks``, which keys the random streams.
+        chunks: micro-batches per batch (``M``); a batch of fewer samples (a short last batch, a
+            validation batch of 1) gets one micro-batch per sample. Results do not depend on the number
+            of stages; with random layers (dropout) they do depend on ``chunks``, which keys the random
+            streams. With BatchNorm in the backbone and ``chunks > 1``, setup warns (see
+            ``deferred_batch_norm``).
         checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``: which micro-batches drop
             their activations in the forward and recompute them in the backward.
         backbone: the attribute (a dotted path is allowed) that holds the Sequential.
