@@ -50,7 +50,7 @@ from lightning_gpipe.checkpointing.files import (
 )
 from lightning_gpipe.checkpointing.resumable import resumable
 from lightning_gpipe.engine import distributed, microbatch, tied
-from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, per_micro_batch_norms
 from lightning_gpipe.engine.checkpoint import check_checkpoint_mode
 from lightning_gpipe.engine.clipping import clip_grad_norm_
 from lightning_gpipe.engine.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
@@ -85,8 +85,11 @@ class GPipeStrategy(ParallelStrategy):
             micro-batch of the first batch of the dataloader (run through ``training_step`` up to the
             backbone), or of ``example_input_array`` (run through ``forward``) when that fails; the
             split is broadcast to every rank. The chosen split is logged on rank 0.
-        chunks: micro-batches per batch (``M``). Results do not depend on the number of stages; with
-            random layers (dropout) they do depend on ``chunks``, which keys the random streams.
+        chunks: micro-batches per batch (``M``); a batch of fewer samples (a short last batch, a
+            validation batch of 1) gets one micro-batch per sample. Results do not depend on the number
+            of stages; with random layers (dropout) they do depend on ``chunks``, which keys the random
+            streams. With BatchNorm in the backbone and ``chunks > 1``, setup warns (see
+            ``deferred_batch_norm``).
         checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``: which micro-batches drop
             their activations in the forward and recompute them in the backward.
         backbone: the attribute (a dotted path is allowed) that holds the Sequential.
@@ -297,6 +300,7 @@ class GPipeStrategy(ParallelStrategy):
         balance = self._choose_balance(sequential, layout.pipe_size)
         if self.deferred_batch_norm:  # after profiling (which would count as micro-batches), before partitioning
             DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
+        self._warn_per_micro_batch_norms(sequential)
         refuse_ties_outside(module, sequential, self.backbone + ".")
         self._full_names = [n for n, _ in module.named_parameters()]
         pipe = GPipe(
@@ -314,6 +318,22 @@ class GPipeStrategy(ParallelStrategy):
         pipe.ties.prefix = self.backbone + "."
         setattr(owner, name, pipe)
         return pipe
+
+    def _warn_per_micro_batch_norms(self, sequential: nn.Sequential) -> None:
+        """Say out loud, once per setup on rank 0, that plain BatchNorm sees micro-batches (as in GPipe)."""
+        names = per_micro_batch_norms(sequential)
+        if self.chunks == 1 or not names:
+            return
+        shown = ", ".join(f"{self.backbone}.{n}" for n in names[:3]) + (
+            f" and {len(names) - 3} more" if len(names) > 3 else ""
+        )
+        rank_zero_warn(
+            f"`{self.backbone}` has BatchNorm layers that track running statistics ({shown}) and chunks={self.chunks}: "
+            "in the pipeline each micro-batch is normalized by its own statistics (as in GPipe) and the running "
+            "statistics move once per micro-batch, so results differ from a one-device run. "
+            "GPipeStrategy(deferred_batch_norm=True) keeps the running statistics per batch (the normalization stays "
+            "per micro-batch); GPipeStrategy(chunks=1) gives the one-device result."
+        )
 
     def _choose_balance(self, sequential: nn.Sequential, stages: int) -> list[int]:
         """The split: given, by parameter count, or by costs that rank 0 measures and broadcasts; logged."""

@@ -1,4 +1,4 @@
-"""Micro-batching: scatter a batch into exactly `chunks` pieces and gather outputs back."""
+"""Micro-batching: scatter a batch into `chunks` pieces (fewer for a smaller batch) and gather outputs back."""
 
 import collections
 
@@ -14,9 +14,15 @@ def test_split_sizes_are_as_even_as_possible_and_never_empty():
     assert microbatch.split_sizes(8, 8) == [1] * 8
 
 
-def test_batch_smaller_than_chunks_names_the_argument_and_the_fix():
-    with pytest.raises(ValueError, match=r"3 samples but `chunks=4`.*batch size of at least 4.*lower `chunks`"):
-        microbatch.split_sizes(3, 4)
+def test_batch_smaller_than_chunks_gets_one_micro_batch_per_sample():
+    assert microbatch.split_sizes(3, 4) == [1, 1, 1]
+    assert microbatch.split_sizes(1, 4) == [1]
+    assert [t.shape[0] for t in microbatch.scatter(torch.zeros(2, 3), 4)] == [1, 1]
+
+
+def test_empty_batch_is_rejected_with_what_to_check():
+    with pytest.raises(ValueError, match=r"The batch has 0 samples; every micro-batch needs at least one sample"):
+        microbatch.split_sizes(0, 4)
 
 
 @pytest.mark.parametrize("chunks", [0, -1])

@@ -9,6 +9,9 @@ statistics once per mini-batch, exactly as BatchNorm on the whole mini-batch wou
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Optional, TypeVar
 
 import torch
@@ -18,9 +21,40 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "micro_batches", "per_micro_batch_norms"]
 
 M = TypeVar("M", bound=nn.Module)
+
+_call = threading.local()
+
+
+@contextmanager
+def micro_batches(count: int) -> Iterator[None]:
+    """Inside: the pipeline's current call has ``count`` micro-batches; a DeferredBatchNorm commits after that many.
+
+    The engine wraps every call of a stage in it. A batch with fewer samples than ``chunks`` (a short last
+    batch) has fewer micro-batches, one per sample, and its running statistics must still move once.
+    """
+    outer = getattr(_call, "count", None)
+    _call.count = count
+    try:
+        yield
+    finally:
+        _call.count = outer
+
+
+def per_micro_batch_norms(module: nn.Module) -> list[str]:
+    """The names of ``module``'s BatchNorm layers whose running statistics would move once per micro-batch.
+
+    Those are the ones that track running statistics and are not DeferredBatchNorm: in a pipeline of
+    ``chunks > 1`` they see micro-batches, so their running statistics (and their normalization, as
+    in GPipe) differ from a one-device run's on the whole batch.
+    """
+    return [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm) and m.track_running_stats and not isinstance(m, DeferredBatchNorm)
+    ]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -28,15 +62,18 @@ class DeferredBatchNorm(_BatchNorm):
 
     - Training: each micro-batch is normalized with its own statistics, as BatchNorm does with the
       batch it is given (so the forward equals a one-device run only when ``chunks == 1``, as in
-      GPipe and torchgpipe). Its mean and variance are merged into the mini-batch's; after the
-      ``chunks``-th micro-batch, ``running_mean`` and ``running_var`` (unbiased, over the whole
+      GPipe and torchgpipe). Its mean and variance are merged into the mini-batch's; after the last
+      micro-batch of the mini-batch, ``running_mean`` and ``running_var`` (unbiased, over the whole
       mini-batch) move once, with BatchNorm's ``momentum`` rule, and ``num_batches_tracked`` counts 1.
+      In a pipeline the last micro-batch is the last of the engine's call (:func:`micro_batches`:
+      fewer than ``chunks`` for a batch of fewer samples); outside one, the ``chunks``-th.
       Given the same inputs, the running statistics equal those of BatchNorm on the whole mini-batch.
     - The recompute of a checkpointed micro-batch (``lightning_gpipe.is_recomputing()``) is not counted.
     - Evaluation: identical to BatchNorm, with the running statistics.
 
-    Every training forward counts as one micro-batch, so use it where the engine calls the layer
-    ``chunks`` times per step: ``GPipeStrategy(deferred_batch_norm=True)`` converts the backbone.
+    Every training forward counts as one micro-batch, so use it in a pipeline's layers (the engine
+    says how many micro-batches each call has) or where it is called ``chunks`` times per mini-batch:
+    ``GPipeStrategy(deferred_batch_norm=True)`` converts the backbone.
     Its ``state_dict`` has BatchNorm's keys, so checkpoints load into the unconverted model.
 
     Example::
@@ -101,7 +138,7 @@ class DeferredBatchNorm(_BatchNorm):
         self._mean.add_(delta * (n / total))
         self._count.copy_(total)
         self._micro += 1
-        if self._micro >= self.chunks:
+        if self._micro >= (getattr(_call, "count", None) or self.chunks):
             self._commit()
 
     def _commit(self) -> None:

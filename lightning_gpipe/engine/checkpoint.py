@@ -13,9 +13,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["CHECKPOINT_MODES", "check_checkpoint_mode", "checkpointed", "is_recomputing", "recomputing"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "ForwardWrites",
+    "check_checkpoint_mode",
+    "checkpointed",
+    "is_recomputing",
+    "recomputing",
+]
 
 #: The re-materialization policies of torchgpipe, by name.
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -50,28 +57,97 @@ def checkpointed(mode: str, micro: int, chunks: int) -> bool:
 def is_recomputing() -> bool:
     """True while a checkpointed micro-batch is being recomputed for its backward.
 
-    A layer that changes state in its forward (a running statistic, a counter) checks this to change
-    it once per micro-batch, not twice. BatchNorm's running statistics are handled by the engine.
+    Buffers a layer writes in its forward are handled by the engine (see :class:`ForwardWrites`): the
+    recompute sees them as the forward did, and they keep the forward's values after it. A layer that
+    changes other state in its forward (a Python attribute, a list) checks this to change it once per
+    micro-batch, not twice.
     """
     return getattr(_local, "recomputing", False)
 
 
 @contextmanager
-def recomputing(stage: nn.Module) -> Iterator[None]:
-    """The recompute of ``stage``: :func:`is_recomputing` is true, and BatchNorm's running statistics stay put.
-
-    The forward already moved them once for this micro-batch; they are kept aside and put back after.
-    """
-    norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
-    saved = [[b.clone() for b in m.buffers()] for m in norms]
+def recomputing() -> Iterator[None]:
+    """The recompute of a checkpointed micro-batch: :func:`is_recomputing` is true inside."""
     _local.recomputing = True
     try:
         yield
     finally:
         _local.recomputing = False
+
+
+#: A buffer's place: its module and its name there (the module may replace the tensor, the place stays).
+_Slot = tuple[nn.Module, str]
+
+
+class ForwardWrites:
+    """The buffers a stage's forward writes, kept so that a recompute neither sees nor leaves other values.
+
+    A layer may write a buffer in its forward: BatchNorm's running statistics, the power-iteration
+    vectors of ``torch.nn.utils.spectral_norm`` (which also shape the weight it computes), a counter.
+    Recomputing a checkpointed micro-batch runs that forward a second time. So, for each checkpointed
+    micro-batch, the buffers its forward writes are copied before that forward (:meth:`before`); the
+    recompute runs with them put back to those values, and afterwards they get the values they had
+    (:meth:`replayed`): the recompute gives the forward's output, and the buffers end as after the
+    forward passes alone, as if nothing had been recomputed.
+
+    Which buffers a forward writes is learned, not guessed: a buffer written in place has a new
+    ``_version`` (or the module holds a new tensor) after the forward. BatchNorm's kernel updates the
+    running statistics without a new version, so every buffer of a norm layer that tracks running
+    statistics counts as written from the start. Until the first forward has been watched, every buffer
+    is copied (once); after it, only the written ones. A buffer first written in a later call (a layer
+    that writes every N steps) is learned then: in that one call its recompute starts from its current
+    value, and it is still put back afterwards.
+    """
+
+    def __init__(self, stage: nn.Module) -> None:
+        self._slots: list[_Slot] = [
+            (module, name) for module in stage.modules() for name, b in module._buffers.items() if b is not None
+        ]
+        self._written: set[int] = {
+            i
+            for i, (module, _) in enumerate(self._slots)
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+        }
+        self._learned = False
+
+    def _buffer(self, i: int) -> Tensor:
+        module, name = self._slots[i]
+        buffer = module._buffers[name]
+        assert buffer is not None, f"the buffer {name} of {type(module).__name__} was removed"
+        return buffer
+
+    @contextmanager
+    def before(self) -> Iterator[dict[int, Tensor]]:
+        """Around the forward of a checkpointed micro-batch: yields the written buffers' values before it.
+
+        The dict is filled on entry (every buffer the first time) and, on exit, kept to the buffers the
+        forward wrote; it is what :meth:`replayed` needs for this micro-batch.
+        """
+        candidates = sorted(self._written) if self._learned else range(len(self._slots))
+        values = {i: self._buffer(i).detach().clone() for i in candidates}
+        tensors = [self._buffer(i) for i in range(len(self._slots))]
+        versions = [t._version for t in tensors]
+        yield values
+        for i, (t, version) in enumerate(zip(tensors, versions)):
+            now = self._buffer(i)
+            if now is not t or now._version != version:
+                self._written.add(i)
+        self._learned = True
+        for i in [i for i in values if i not in self._written]:
+            del values[i]
+
+    @contextmanager
+    def replayed(self, values: dict[int, Tensor]) -> Iterator[None]:
+        """The recompute: the buffers hold ``values`` (from :meth:`before`) inside, and what they held before after."""
+        current = {i: self._buffer(i).detach().clone() for i in sorted(self._written)}
+        # Through `.data`: a graph may hold these buffers (BatchNorm's backward keeps the running statistics it
+        # was given), and a write that bumped their version would make autograd reject that graph.
         with torch.no_grad():
-            for m, values in zip(norms, saved):
-                for b, v in zip(m.buffers(), values):
-                    # Through `.data`: BatchNorm's backward keeps the running statistics it was given, and a
-                    # restore that bumped their version would make autograd reject the recomputed graph.
-                    b.data.copy_(v)
+            for i, value in values.items():
+                self._buffer(i).data.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for i, value in current.items():
+                    self._buffer(i).data.copy_(value)

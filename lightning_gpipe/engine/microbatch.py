@@ -94,23 +94,28 @@ def check_chunks(chunks: object) -> int:
 
 
 def split_sizes(size: int, chunks: int) -> list[int]:
-    """Micro-batch sizes for a batch of ``size`` samples cut into ``chunks`` pieces.
+    """Micro-batch sizes for a batch of ``size`` samples cut into at most ``chunks`` pieces.
 
-    The pieces differ by at most one sample, larger ones first, so there are always exactly ``chunks``
-    non-empty micro-batches (``torch.chunk`` may return fewer).
+    The pieces differ by at most one sample, larger ones first, and none is empty: a batch of at least
+    ``chunks`` samples gets exactly ``chunks`` micro-batches (``torch.chunk`` may return fewer), a
+    smaller one (a short last batch, a validation batch of 1) gets one micro-batch per sample. Every
+    stage holds the same batch, so every stage computes the same count.
 
     >>> split_sizes(10, 4)
     [3, 3, 2, 2]
+    >>> split_sizes(2, 4)
+    [1, 1]
     """
     check_chunks(chunks)
-    if size < chunks:
+    if size < 1:
         raise ValueError(
-            f"The batch has {size} samples but `chunks={chunks}` micro-batches were asked for; every micro-batch needs "
-            f"at least one sample. Use a batch size of at least {chunks} (for a short last batch, "
-            f"DataLoader(drop_last=True)), or lower `chunks` (GPipeStrategy(chunks=...))."
+            f"The batch has {size} samples; every micro-batch needs at least one sample, so there is nothing to run "
+            "through the pipeline. Pass a batch with at least one sample (check the DataLoader or sampler that made "
+            "an empty batch)."
         )
-    base, extra = divmod(size, chunks)
-    return [base + 1 if i < extra else base for i in range(chunks)]
+    count = min(chunks, size)
+    base, extra = divmod(size, count)
+    return [base + 1 if i < extra else base for i in range(count)]
 
 
 def split(batch: Any, sizes: list[int]) -> list[Any]:
@@ -130,7 +135,8 @@ def split(batch: Any, sizes: list[int]) -> list[Any]:
 
 
 def scatter(batch: Any, chunks: int) -> list[Any]:
-    """Cut ``batch`` (a Tensor, or a tuple, list or dict of them, nested) into ``chunks`` micro-batches.
+    """Cut ``batch`` (a Tensor, or a tuple, list or dict of them, nested) into ``chunks`` micro-batches (fewer
+    if it has fewer samples: see :func:`split_sizes`).
 
     >>> [t.shape[0] for t in scatter(torch.zeros(10, 3), 4)]
     [3, 3, 2, 2]

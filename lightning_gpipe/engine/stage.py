@@ -9,7 +9,7 @@ gradient sent to the previous stage. Parameter gradients build up in place, as i
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,8 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.batchnorm import micro_batches
 from lightning_gpipe.engine.channels import Channels
-from lightning_gpipe.engine.checkpoint import check_checkpoint_mode, checkpointed, recomputing
+from lightning_gpipe.engine.checkpoint import ForwardWrites, check_checkpoint_mode, checkpointed, recomputing
 from lightning_gpipe.engine.lockstep import check_message
 from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
@@ -46,7 +47,8 @@ class _Run:
     outputs: list[Optional[tuple[Tensor, ...]]] = field(default_factory=list)  # None when checkpointed
     in_grad: list[bool] = field(default_factory=list)  # whether the previous stage waits for input grads
     out_grad: list[bool] = field(default_factory=list)  # whether the next stage sends output grads
-    sizes: list[int] = field(default_factory=list)  # micro-batch sizes
+    sizes: list[int] = field(default_factory=list)  # micro-batch sizes: min(chunks, batch size) of them
+    buffers: list[Optional[dict[int, Tensor]]] = field(default_factory=list)  # checkpointed: written buffers before
     input_needs_grad: bool = False
 
 
@@ -90,6 +92,7 @@ class StageRunner:
         self.batch_fingerprint: Optional[int] = None
         self.tracer: Optional[Tracer] = None
         self._modules = nn.ModuleList(m for _, m in layers)
+        self._writes = ForwardWrites(self._modules)
 
     def _span(self, kind: str, micro: int = -1) -> AbstractContextManager[None]:
         return span(self.tracer, kind, micro)
@@ -163,50 +166,74 @@ class StageRunner:
     def _fill(self, batch: Any, run: _Run, train: bool) -> tuple[tuple[Tensor, ...], bool]:
         """Every micro-batch through this stage, in order; returns the pipeline's output and its tuple-ness."""
         call = run.call
-        sizes = microbatch.split_sizes(microbatch.batch_size(batch), self.chunks)  # every rank checks the batch
+        # Every rank holds the same batch, so every rank cuts it alike: min(chunks, batch size) micro-batches.
+        sizes = microbatch.split_sizes(microbatch.batch_size(batch), self.chunks)
+        count = len(sizes)
         fingerprint = self._fingerprint(batch)
         micro_inputs = microbatch.split(batch, sizes) if self.is_first else []
         needs_grad = train and any(p.requires_grad for p in self._modules.parameters())
         outputs: list[tuple[Tensor, ...]] = []
         is_tuple = False
-        for task in fill_drain(self.chunks, self.checkpoint)[0]:
-            i = task.micro
-            if self.is_first:
-                x = microbatch.map_tensors(_as_leaf, micro_inputs[i]) if train else micro_inputs[i]
-                in_flags = [t.requires_grad for t in microbatch.tensors(x)]
-            else:
-                message = self._recv(self.ranks[self.stage - 1], Tag("forward", call, i, run.label, fingerprint))
-                in_flags = list(message.requires_grad) if train else []
-                values = tuple(
-                    v.requires_grad_() if train and f else v for v, f in zip(message.tensors(), message.requires_grad)
+        with micro_batches(count):  # a DeferredBatchNorm commits after the last micro-batch of this call
+            for task in fill_drain(count, self.checkpoint)[0]:
+                i = task.micro
+                if self.is_first:
+                    x = microbatch.map_tensors(_as_leaf, micro_inputs[i]) if train else micro_inputs[i]
+                    in_flags = [t.requires_grad for t in microbatch.tensors(x)]
+                else:
+                    message = self._recv(self.ranks[self.stage - 1], Tag("forward", call, i, run.label, fingerprint))
+                    in_flags = list(message.requires_grad) if train else []
+                    values = tuple(
+                        v.requires_grad_() if train and f else v
+                        for v, f in zip(message.tensors(), message.requires_grad)
+                    )
+                    x = microbatch.from_tuple(values, message.is_tuple)
+                recompute = train and checkpointed(self.checkpoint, i, count)
+                writes: AbstractContextManager[dict[int, Tensor]] = (
+                    self._writes.before() if recompute else nullcontext({})  # what the recompute must replay
                 )
-                x = microbatch.from_tuple(values, message.is_tuple)
-            keep = train and not checkpointed(self.checkpoint, i, self.chunks)
-            with torch.set_grad_enabled(keep), self._span("forward", i):
-                y, is_tuple = self._run_layers(x, call, i)
-            out_flags = [train and t.is_floating_point() and (needs_grad or any(in_flags)) for t in y]
-            if train:
-                run.inputs.append(x)
-                run.outputs.append(y if keep else None)
-                run.in_grad.append(any(in_flags))
-                run.out_grad.append(any(out_flags))
-            if self.is_last:
-                self._check_batch_dim(y, sizes[i])
-                outputs.append(tuple(t.detach() for t in y))
-            else:
-                self._send(
-                    self.ranks[self.stage + 1], y, out_flags, is_tuple, Tag("forward", call, i, run.label, fingerprint)
-                )
+                with torch.set_grad_enabled(train and not recompute), self._span("forward", i), writes as buffers:
+                    y, is_tuple = self._run_layers(x, call, i)
+                self._check_batch_dim(y, sizes[i])  # before anything leaves the stage
+                out_flags = [train and t.is_floating_point() and (needs_grad or any(in_flags)) for t in y]
+                if train:
+                    run.inputs.append(x)
+                    run.outputs.append(None if recompute else y)
+                    run.buffers.append(buffers if recompute else None)
+                    run.in_grad.append(any(in_flags))
+                    run.out_grad.append(any(out_flags))
+                if self.is_last:
+                    outputs.append(tuple(t.detach() for t in y))
+                else:
+                    tag = Tag("forward", call, i, run.label, fingerprint)
+                    self._send(self.ranks[self.stage + 1], y, out_flags, is_tuple, tag)
         run.sizes = sizes
         return self._share(outputs, is_tuple, Tag("output", call, -1, run.label))
 
     def _check_batch_dim(self, y: tuple[Tensor, ...], size: int) -> None:
+        """Every tensor that leaves the stage has the micro-batch in dim 0 (shapes only: cheap).
+
+        The pipeline cuts the batch into micro-batches and joins the outputs along dim 0. A tensor that
+        is not per sample (a statistic over the batch, a 0-dim tensor) would be computed per micro-batch
+        and travel on as if it were: a silently different result. So it is refused, naming the layer.
+        """
         for t in y:
-            if t.dim() == 0 or t.shape[0] != size:
-                raise ValueError(
-                    f"The backbone's output has shape {tuple(t.shape)} for a micro-batch of {size} samples; the "
-                    "micro-batch outputs are joined along dim 0, so every output tensor must keep the batch in dim 0."
+            if t.dim() > 0 and t.shape[0] == size:
+                continue
+            index, layer = self.layers[-1]
+            if self.is_last:
+                where = "as the backbone's output, where the micro-batch outputs are joined along dim 0"
+            else:
+                where = (
+                    f"across the boundary from stage {self.stage} to stage {self.stage + 1}, where each micro-batch's "
+                    "tensors travel on their own (a statistic over the batch would be one of the micro-batch only)"
                 )
+            raise ValueError(
+                f"Layer {index} ({type(layer).__name__}), the last of stage {self.stage}, returned a tensor of shape "
+                f"{tuple(t.shape)} for a micro-batch of {size} samples {where}. Every tensor that leaves a stage must "
+                "keep the batch in dim 0: return per-sample values, or move the stage boundary with `balance` so that "
+                "this tensor stays inside a stage."
+            )
 
     def _share(self, outputs: list[tuple[Tensor, ...]], is_tuple: bool, tag: Tag) -> tuple[tuple[Tensor, ...], bool]:
         """The last stage joins the micro-batch outputs and sends them to every other stage."""
@@ -226,12 +253,13 @@ class StageRunner:
 
     def _drain(self, run: _Run, grads: tuple[Optional[Tensor], ...]) -> list[Optional[Tensor]]:
         """Back-propagate every micro-batch in reverse; returns the gradients of the pipeline input's leaves."""
+        count = len(run.sizes)  # as in the fill: min(chunks, batch size)
         if self.is_last:
-            parts = [torch.split(g, run.sizes) if g is not None else [None] * self.chunks for g in grads]
-            last_grads = [tuple(p[i] for p in parts) for i in range(self.chunks)]
-        input_grads: list[tuple[Optional[Tensor], ...]] = [()] * self.chunks
+            parts = [torch.split(g, run.sizes) if g is not None else [None] * count for g in grads]
+            last_grads = [tuple(p[i] for p in parts) for i in range(count)]
+        input_grads: list[tuple[Optional[Tensor], ...]] = [()] * count
         recomputed: dict[int, tuple[Tensor, ...]] = {}
-        for task in fill_drain(self.chunks, self.checkpoint)[1]:
+        for task in fill_drain(count, self.checkpoint)[1]:
             i = task.micro
             if task.kind == "recompute":
                 if run.out_grad[i]:
@@ -259,14 +287,21 @@ class StageRunner:
                 tag = Tag("gradient", run.call, i, run.label)
                 self._send(self.ranks[self.stage - 1], dx, [False] * len(dx), True, tag)
             input_grads[i] = dx
-            run.inputs[i] = run.outputs[i] = None
+            run.inputs[i] = run.outputs[i] = run.buffers[i] = None
         return self._input_grads(run, input_grads)
 
     def _recompute(self, run: _Run, i: int) -> tuple[Tensor, ...]:
-        """Rebuild micro-batch ``i``'s graph: same input, same random streams, same autocast as the forward."""
+        """Rebuild micro-batch ``i``'s graph: same input, random streams, autocast and written buffers as the forward.
+
+        The buffers the forward wrote are put back to their values before it for the recompute, and to their
+        current values after it (see :class:`~lightning_gpipe.engine.checkpoint.ForwardWrites`).
+        """
         autocast = torch.autocast(self.device.type, dtype=run.autocast[1], enabled=run.autocast[0])
-        with self._span("recompute", i), torch.enable_grad(), autocast, recomputing(self._modules):
-            y, _ = self._run_layers(run.inputs[i], run.call, i)
+        buffers = run.buffers[i]
+        assert buffers is not None  # a checkpointed micro-batch's buffers, from the fill
+        with self._span("recompute", i), torch.enable_grad(), autocast, recomputing():
+            with self._writes.replayed(buffers):
+                y, _ = self._run_layers(run.inputs[i], run.call, i)
         return y
 
     def _input_grads(self, run: _Run, per_micro: list[tuple[Optional[Tensor], ...]]) -> list[Optional[Tensor]]:

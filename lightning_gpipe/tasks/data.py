@@ -162,7 +162,8 @@ class ImageDataModule(L.LightningDataModule):
     def _loader(self, split: str, train: bool = False) -> DataLoader:
         if not self.splits:
             self.setup()
-        # Training drops a last, smaller batch: a pipeline needs at least `chunks` samples per batch.
+        # Training drops a last, smaller batch, as usual with BatchNorm (a step on a few samples is a noisy one);
+        # the pipeline itself runs any batch size, with min(chunks, batch size) micro-batches.
         return DataLoader(
             self.splits[split],
             batch_size=self.batch_size,

@@ -1,0 +1,107 @@
+"""State a layer keeps per micro-batch, said out loud: BatchNorm warns, recompute writes no buffer twice, and a
+tensor without the batch dimension is refused at a stage boundary."""
+
+from __future__ import annotations
+
+import _state_workers as W
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe import GPipe
+from lightning_gpipe.launch import run_processes
+
+
+@pytest.fixture(scope="module")
+def two_stage_runs() -> list[dict]:
+    outcome = run_processes(W.sweep, 2, timeout=300)
+    assert all(result is not None for result in outcome.results), outcome.tracebacks
+    return outcome.results
+
+
+def test_recompute_leaves_spectral_norm_and_counter_buffers_as_a_pipeline_without_recompute(two_stage_runs):
+    # checkpoint="always" recomputes every micro-batch; the power iteration and the counter must neither run
+    # twice nor see other values in the recompute: weights and buffers equal checkpoint="never", bit for bit.
+    buffers = ("weight_u", "weight_v", "calls")
+    for rank, results in enumerate(two_stage_runs):
+        always, never = results["always"]["weights"], results["never"]["weights"]
+        assert set(always) == set(never)
+        assert sum(name.endswith(buffers) for name in always) == 2 * 3 + 2
+        for name, value in never.items():
+            torch.testing.assert_close(always[name], value, atol=0, rtol=0, msg=lambda m: f"rank {rank} {name}: {m}")
+        torch.testing.assert_close(torch.tensor(results["always"]["losses"]), torch.tensor(results["never"]["losses"]))
+        # 5 steps of 3 micro-batches: the counters count forwards, not recomputes
+        assert int(always["backbone.2.calls"]) == int(always["backbone.6.calls"]) == 15
+
+
+def test_plain_batch_norm_warns_once_on_rank_zero_and_not_with_deferred_batch_norm_or_one_chunk(two_stage_runs):
+    rank0, rank1 = two_stage_runs
+    (message,) = rank0["warnings: plain, chunks=4"]
+    assert "`backbone` has BatchNorm layers that track running statistics (backbone.1) and chunks=4" in message
+    assert "each micro-batch is normalized by its own statistics (as in GPipe)" in message
+    assert "GPipeStrategy(deferred_batch_norm=True)" in message and "GPipeStrategy(chunks=1)" in message
+    assert rank1["warnings: plain, chunks=4"] == []
+    for results in two_stage_runs:
+        assert results["warnings: deferred, chunks=4"] == []
+        assert results["warnings: plain, chunks=1"] == []
+
+
+def test_a_statistic_over_the_batch_across_a_boundary_ends_every_rank_naming_the_layer(two_stage_runs):
+    # Layer 4 (WithStatistic) ends stage 0 and returns x.mean(0, keepdim=True): shape (1, 24) for 4 samples.
+    (error0, seconds0), (error1, seconds1) = (results["boundary"] for results in two_stage_runs)
+    expected = (
+        "Layer 4 (WithStatistic), the last of stage 0, returned a tensor of shape (1, 24) for a micro-batch of 4 "
+        "samples across the boundary from stage 0 to stage 1"
+    )
+    assert error0.startswith("ValueError: " + expected), error0
+    assert "keep the batch in dim 0" in error0 and "`balance`" in error0
+    assert error1.startswith("PipelineError") and f"stage 0 (rank 0) failed: ValueError: {expected}" in error1, error1
+    assert max(seconds0, seconds1) < 20
+
+
+def test_a_0_dim_tensor_leaving_the_middle_stage_ends_every_rank_with_the_error():
+    outcome = run_processes(W.failing_statistic, 3, timeout=120)
+    assert all(code is not None and code != 0 for code in outcome.exitcodes), outcome.exitcodes
+    expected = (
+        "Layer 5 (WithStatistic), the last of stage 1, returned a tensor of shape () for a micro-batch of 4 samples "
+        "across the boundary from stage 1 to stage 2"
+    )
+    assert outcome.errors[1].startswith("ValueError: " + expected), outcome.errors[1]
+    for rank in (0, 2):
+        assert outcome.errors[rank].startswith("PipelineError"), outcome.errors[rank]
+        assert f"stage 1 (rank 1) failed: ValueError: {expected}" in outcome.errors[rank]
+    ended = [t for t in outcome.ended if t is not None]
+    assert max(ended) - min(ended) < 15  # the others end within seconds of the failing stage
+
+
+def test_a_module_that_writes_a_buffer_in_forward_keeps_the_forward_value_after_recompute_in_one_process():
+    # Pipeline-1 (micro-batching and re-materialization only), against the same pipeline without recompute.
+    def run(checkpoint: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        pipe = GPipe(W.spectral_backbone(), chunks=3, checkpoint=checkpoint)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            optimizer.zero_grad()
+            pipe(torch.randn(7, W.M.FEATURES, generator=generator)).square().sum().backward()
+            optimizer.step()
+        return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    always, never = run("always"), run("never")
+    for name, value in never.items():
+        torch.testing.assert_close(always[name], value, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert int(always["2.calls"]) == 4 * 3
+
+
+def test_buffers_a_forward_writes_are_learned_and_only_those_are_kept_for_the_recompute():
+    torch.manual_seed(0)
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), W.Counter(), nn.BatchNorm1d(4)), chunks=2, checkpoint="always")
+    pipe(torch.randn(6, 4)).sum().backward()
+    out = pipe(torch.randn(6, 4))
+    run = out.grad_fn.run  # what the autograd bridge keeps for the drain
+    kept = [sorted(v.shape for v in buffers.values()) for buffers in run.buffers]
+    # the counter (0-dim) and BatchNorm's three buffers (whose running statistics its kernel writes with no new
+    # version); nothing else is copied
+    assert kept == [[(), (), (4,), (4,)]] * 2
+    out.sum().backward()
+    assert int(pipe[1].calls) == 4 and int(pipe[2].num_batches_tracked) == 4
