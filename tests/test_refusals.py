@@ -1,0 +1,48 @@
+"""Features the pipeline cannot give the one-device result for, refused before the first step with the fix."""
+
+from __future__ import annotations
+
+import _models as M
+import _refusal_workers as W
+import lightning as L
+import pytest
+import torch
+
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.launch import run_processes
+
+
+def _fit(model: L.LightningModule) -> None:
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=1, **M.trainer_kwargs(max_steps=1))
+    trainer.fit(model, M.loader())
+
+
+def test_compiling_the_backbone_in_place_is_refused_and_names_compiling_the_layers():
+    model = M.Net()
+    model.backbone.compile(backend="eager")
+    with pytest.raises(
+        ValueError, match=r"`Net.backbone`.compile\(\) compiles the Sequential's call.*layer.compile\(\)"
+    ):
+        _fit(model)
+
+
+def test_torch_compile_of_the_sequential_is_refused_and_names_compiling_the_layers():
+    model = M.Net()
+    model.backbone = torch.compile(model.backbone, backend="eager")
+    with pytest.raises(TypeError, match=r"is `torch.compile\(nn.Sequential\(...\)\)`.*layer.compile\(\)"):
+        _fit(model)
+
+
+@pytest.mark.parametrize("select", ["index", "slice"])
+def test_selecting_a_layer_another_stage_holds_stops_every_rank_naming_the_layer_its_stage_and_the_fix(select):
+    outcome = run_processes(W.indexed_groups, 2, select, timeout=120)
+    assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
+    report = outcome.errors[1]
+    assert report.startswith(
+        "IndexError: The backbone is partitioned over 2 stages: layer 0 (Linear) on stage 0 (rank 0)"
+    )
+    assert "this process runs stage 1, which holds layers [3, 4, 5, 6]" in report
+    assert "n.startswith('backbone.0.')" in report and "local_layers()" in report
+    if select == "slice":
+        assert "layer 1 (Tanh) on stage 0 (rank 0)" in report
+    assert outcome.errors[0].startswith("PipelineError: stage 1 (rank 1) failed: IndexError")
