@@ -2,11 +2,21 @@
 
 The engine (``GPipe`` and everything under :mod:`lightning_gpipe.engine`) is plain PyTorch and works
 without Lightning; the strategy is the Lightning glue, and importing this package registers it as
-``"gpipe"``. The layers: ``docs/architecture.md``.
+``"gpipe"``. ``grad_norm`` and ``clip_grad_norm_`` replace Lightning's and torch's, which would see
+one stage, in code that runs on every rank. The layers: ``docs/architecture.md``.
 """
 
 from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers
-from lightning_gpipe.engine import DeferredBatchNorm, GPipe, PipeLayout, PipelineError, balance, is_recomputing
+from lightning_gpipe.engine import (
+    DeferredBatchNorm,
+    GPipe,
+    PipeLayout,
+    PipelineError,
+    balance,
+    clip_grad_norm_,
+    grad_norm,
+    is_recomputing,
+)
 from lightning_gpipe.monitor.timer import StageTimer
 
 __all__ = [
@@ -19,6 +29,8 @@ __all__ = [
     "PipelineMonitor",
     "StageTimer",
     "balance",
+    "clip_grad_norm_",
+    "grad_norm",
     "is_recomputing",
     "profile_layers",
     "__version__",

@@ -52,8 +52,8 @@ from lightning_gpipe.checkpointing.resumable import resumable
 from lightning_gpipe.engine import distributed, microbatch, tied
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, per_micro_batch_norms
 from lightning_gpipe.engine.checkpoint import check_checkpoint_mode
-from lightning_gpipe.engine.clipping import clip_grad_norm_
 from lightning_gpipe.engine.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
+from lightning_gpipe.engine.gradients import clip_grad_norm_
 from lightning_gpipe.engine.partition import balance as optimal_balance
 from lightning_gpipe.engine.partition import balance_by_params, parameter_costs, split_table, validate_balance
 from lightning_gpipe.engine.pipe import GPipe
@@ -873,11 +873,4 @@ class _GlobalNormClipping:
         if pipe is None:
             return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]  # the plugin's own class
         main_params = self.main_params(optimizer)  # type: ignore[attr-defined]
-        clip_grad_norm_(
-            main_params,
-            clip_val,
-            pipe.parameters(),
-            count_replicated=pipe.stage == 0,
-            group=pipe.group,
-            counted_elsewhere=pipe.ties.counted_elsewhere(),
-        )
+        clip_grad_norm_(main_params, clip_val, pipe=pipe)  # what `lightning_gpipe.clip_grad_norm_` does

@@ -5,15 +5,28 @@ the stage runner and its autograd bridge (``stage``), re-materialization (``chec
 schedule, micro-batches, random streams, the split (``partition``) and the process layout
 (``topology``), messages and channels between stages, the lock-step checks, the failure board, the
 polled collectives (``distributed``), gradient sync across replicas, tied weights, global-norm
-clipping, ``DeferredBatchNorm`` and the tracing hook. See ``docs/architecture.md``.
+clipping, ``DeferredBatchNorm`` and the tracing hook. ``grad_norm`` and ``clip_grad_norm_`` (``gradients``)
+are torch's and Lightning's functions for the whole model, for code that runs on every stage. See
+``docs/architecture.md``.
 """
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.checkpoint import is_recomputing
 from lightning_gpipe.engine.failure import PipelineError
+from lightning_gpipe.engine.gradients import clip_grad_norm_, grad_norm
 from lightning_gpipe.engine.partition import balance
 from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.topology import PipeLayout
 from lightning_gpipe.engine.tracer import Tracer
 
-__all__ = ["DeferredBatchNorm", "GPipe", "PipeLayout", "PipelineError", "Tracer", "balance", "is_recomputing"]
+__all__ = [
+    "DeferredBatchNorm",
+    "GPipe",
+    "PipeLayout",
+    "PipelineError",
+    "Tracer",
+    "balance",
+    "clip_grad_norm_",
+    "grad_norm",
+    "is_recomputing",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,13 +25,22 @@ from lightning_gpipe.engine.tied import TiedCopies, find_ties, untie
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 from lightning_gpipe.engine.tracer import Tracer
 
-__all__ = ["STRAY_GRACE", "GPipe"]
+__all__ = ["STRAY_GRACE", "GPipe", "live_pipes"]
 
 #: Seconds a message from a peer may wait untaken while this rank is blocked in a collective of the whole
 #: pipeline, before the two count as out of step. A peer cannot pass such a collective before this rank
 #: joins it, so a message that waits through one was sent from a call this rank never makes; the grace only
 #: lets a message that was already on its way be counted.
 STRAY_GRACE = 5.0
+
+#: The pipelines of this process that are built and not closed; weakly held, so one that is dropped
+#: without :meth:`GPipe.close` leaves too. Functions given only parameters look their pipeline up here.
+_live: weakref.WeakSet[GPipe] = weakref.WeakSet()
+
+
+def live_pipes() -> list[GPipe]:
+    """The ``GPipe`` instances of this process that are built and not yet closed (usually one: the running one)."""
+    return list(_live)
 
 
 class GPipe(nn.Module):
@@ -142,6 +152,7 @@ class GPipe(nn.Module):
             self.runner.grad_sync = GradientSync(
                 [p for p in self.parameters() if id(p) not in tied], self.replica_group
             )
+        _live.add(self)
 
     def sync_gradients(self, replicated: Optional[list[nn.Parameter]] = None) -> None:
         """Average this stage's gradients (and ``replicated`` ones) over the data-parallel replicas.
@@ -311,6 +322,7 @@ class GPipe(nn.Module):
 
     def close(self) -> None:
         """Shut the links between stages down; collective, call on every process of the job."""
+        _live.discard(self)
         if self.has_peers:
             assert self.runner.channels is not None
             self.runner.channels.close()
