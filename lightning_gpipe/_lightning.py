@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.callbacks import ModelSummary, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from lightning_gpipe._subclass import copy_as
 from lightning_gpipe.engine.pipe import GPipe
@@ -31,6 +32,7 @@ from lightning_gpipe.engine.pipe import GPipe
 __all__ = [
     "MainProcessLauncher",
     "PipelineSummary",
+    "averaged_copies",
     "current_hook",
     "first_batch",
     "init_process_group",
@@ -40,6 +42,7 @@ __all__ = [
     "should_update_logs",
     "silence_sync_dist_advice",
     "silence_not_resumable_warning",
+    "tell_swa_about_batch_norm",
     "use_pipeline_summaries",
 ]
 
@@ -306,3 +309,37 @@ def use_pipeline_summaries(trainer: "pl.Trainer") -> None:
     for i, callback in enumerate(callbacks):
         if isinstance(callback, ModelSummary):
             callbacks[i] = copy_as(callback, _Pipeline)
+
+
+def averaged_copies(trainer: "pl.Trainer") -> list[tuple[str, "pl.LightningModule"]]:
+    """The LightningModule copies that Lightning's weight-averaging callbacks average into, with the callbacks' names.
+
+    ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) deep-copy the module in their
+    ``setup`` into the private ``_average_model`` (for ``WeightAveraging`` an ``AveragedModel`` whose ``module``
+    is the copy), before the strategy's ``setup`` partitions the backbone; there is no public accessor.
+    """
+    found = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+            average = getattr(callback, "_average_model", None)
+            copy = average.module if isinstance(average, AveragedModel) else average
+            if isinstance(copy, pl.LightningModule):
+                found.append((type(callback).__name__, copy))
+    return found
+
+
+def tell_swa_about_batch_norm(trainer: "pl.Trainer", whole_model_has_batch_norm: bool) -> None:
+    """Make ``StochasticWeightAveraging`` see BatchNorm layers on every stage, not only its own.
+
+    In ``on_fit_start`` it asks ``pl_module_contains_batch_norm(pl_module)``, which walks this process's modules,
+    and adds an epoch that recomputes the BatchNorm statistics when it finds one: stages without BatchNorm
+    would skip the epoch the others run, and the pipeline would fall out of step. The instance's method is
+    replaced by the whole model's answer (a public static method, consulted only there).
+    """
+
+    def pl_module_contains_batch_norm(pl_module: "pl.LightningModule") -> bool:
+        return whole_model_has_batch_norm
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, StochasticWeightAveraging):
+            callback.pl_module_contains_batch_norm = pl_module_contains_batch_norm  # type: ignore[method-assign]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torchmetrics
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_gpipe._lightning import (
+    averaged_copies,
     current_hook,
     first_batch,
     init_process_group,
@@ -34,6 +36,7 @@ from lightning_gpipe._lightning import (
     optimizers_to_device,
     silence_not_resumable_warning,
     silence_sync_dist_advice,
+    tell_swa_about_batch_norm,
     use_pipeline_summaries,
 )
 from lightning_gpipe._subclass import copy_as
@@ -59,6 +62,7 @@ from lightning_gpipe.engine.partition import balance_by_params, parameter_costs,
 from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
+from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 
@@ -178,6 +182,7 @@ class GPipeStrategy(ParallelStrategy):
         self._saved_model_keys: Optional[list[str]] = (
             None  # a sharded checkpoint's model keys (each stage reads its own)
         )
+        self._copies: list[tuple[nn.Module, str, StageCopy]] = []  # weight averages' backbones: (owner, attribute, cut)
 
     # -- processes and ranks ---------------------------------------------------------------------------
 
@@ -271,7 +276,7 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         owner, name = self._backbone_owner(module)
         sequential = getattr(owner, name)
-        if isinstance(sequential, GPipe):  # set up again after a failed run that could not reassemble it
+        if isinstance(sequential, (GPipe, StageCopy)):  # set up again after a failed run that could not reassemble it
             sequential = sequential.full_sequential()
         where = f"`{type(module).__name__}.{self.backbone}`"
         compile_layers = "compile its layers instead (`for layer in backbone: layer.compile()`), which each stage runs"
@@ -386,6 +391,7 @@ class GPipeStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         _refuse_fp16_scaler(self.precision_plugin)
+        self._refuse_callbacks(trainer)
         self.accelerator.setup(trainer)
         plugin: Any = copy_as(self.precision_plugin, _GlobalNormClipping)  # the user's plugin class, subclassed
         plugin.pipeline = lambda: self.pipe
@@ -401,6 +407,7 @@ class GPipeStrategy(ParallelStrategy):
         self.model_to_device()
         self._sync_replicated()
         self._sync_metrics_over_replicas()
+        self._cut_averaged_copies(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             try:
                 self.setup_optimizers(trainer)
@@ -459,6 +466,60 @@ class GPipeStrategy(ParallelStrategy):
                 if id(tensor) not in backbone:
                     dist.broadcast(tensor.data, src=pipe.ranks[0], group=pipe.group)
         set_rng_state(pipe.broadcast(get_rng_state(self.root_device)), self.root_device)
+
+    def _refuse_callbacks(self, trainer: "pl.Trainer") -> None:
+        """Refuse, on every rank before anything runs, the callbacks that would see one stage as the whole model."""
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, ModelPruning):
+                raise ValueError(
+                    "ModelPruning is not supported by the gpipe strategy: it picks the layers to prune in its "
+                    "`setup`, before the strategy splits the backbone (each process then holds one stage's "
+                    "layers, the others on the meta device), ranks the weights of one stage only when "
+                    "`use_global_unstructured=True`, and rewrites the checkpoint's state_dict from this process's "
+                    "layers alone. Prune after `fit` instead: the whole trained backbone is back in the "
+                    "LightningModule on every rank (use torch.nn.utils.prune on it), or train with ModelPruning on "
+                    "one device or with DDP."
+                )
+        if self.state_dict_type == "sharded":
+            for name, _ in averaged_copies(trainer):
+                raise ValueError(
+                    f"{name} is not supported with GPipeStrategy(state_dict_type='sharded'): the callback keeps "
+                    "the averaged model's tensors in the checkpoint's callback state (EMAWeightAveraging also the "
+                    "current weights beside the averaged ones), which a sharded checkpoint does not split by "
+                    "stage, and after the run the averaged model would stay split over the processes. Use "
+                    "state_dict_type='full' (the default) with weight averaging."
+                )
+
+    def _cut_averaged_copies(self, trainer: "pl.Trainer") -> None:
+        """Cut the backbone of every weight-averaging callback's model copy like the pipe (see :class:`StageCopy`).
+
+        The callbacks copied the whole model before the pipe was built and pair the copy's parameters with the
+        live module's one by one; cut alike, each stage averages its own layers, exactly as one device would.
+        The copies' state_dict gathers every stage's averaged layers on the first stage (for checkpoints), and
+        ``teardown`` reassembles the whole averaged backbone.
+        """
+        pipe, module = self.pipe, self.lightning_module
+        assert pipe is not None and module is not None
+        self._copies = []
+        for callback, copy in averaged_copies(trainer):
+            owner, name = self._backbone_owner(copy)
+            sequential = getattr(owner, name)
+            if isinstance(sequential, StageCopy):  # a failed run could not reassemble it
+                sequential = sequential.full_sequential()
+            if self.deferred_batch_norm:  # the same buffers as the live backbone's, to pair with them
+                DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
+            cut = StageCopy(sequential, pipe.balance, pipe.stage, self._gather_unless_failed)
+            setattr(owner, name, cut)
+            self._copies.append((owner, name, cut))
+            _pair_copy(callback, copy, module, fresh=trainer.state.fn == TrainerFn.FITTING)
+        whole = [*module.modules(), *pipe.full_sequential().modules()]
+        tell_swa_about_batch_norm(trainer, any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in whole))
+
+    def _gather_unless_failed(self, obj: Any, to_all: bool) -> Optional[list[Any]]:
+        """The pipe's gather, or this stage's ``obj`` alone once a rank failed (the others will not join)."""
+        if self.pipe is None or self.failed:
+            return [obj]
+        return self.pipe.gather(obj, to_all)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -800,7 +861,8 @@ class GPipeStrategy(ParallelStrategy):
     def teardown(self) -> None:
         """Put the backbone back into the LightningModule as an ``nn.Sequential``.
 
-        Full mode: the whole trained backbone, on every rank (the other stages' layers on the CPU).
+        Full mode: the whole trained backbone, on every rank (the other stages' layers on the CPU), and likewise
+        the averaged backbone of every weight-averaging callback's model copy.
         Sharded mode is for models that do not fit one host, so nothing is gathered: each rank keeps its
         own stage's trained layers and the other stages' layers stay on ``meta``, where any use fails
         loudly instead of running with untrained weights.
@@ -813,8 +875,11 @@ class GPipeStrategy(ParallelStrategy):
             if self.state_dict_type == "sharded":  # put in after Lightning's `module.cpu()`, which meta would fail
                 sharded = (owner, name, self.pipe.full_sequential())
             else:
+                for copy_owner, copy_name, cut in self._copies:  # the weight averages, whole on every rank too
+                    setattr(copy_owner, copy_name, model_state.reassemble_copy(cut))
                 setattr(owner, name, model_state.reassemble(self.pipe))
             self.pipe.close()
+        self._copies = []
         self.pipe = None
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
             self._board.stop()
@@ -851,6 +916,23 @@ def _refuse_fp16_scaler(plugin: Precision) -> None:
             "GradScaler on each stage, and the stages would disagree on skipped steps and on the scale. Use "
             "precision='bf16-mixed' (no loss scaling needed), or '32-true'."
         )
+
+
+def _pair_copy(callback: str, copy: nn.Module, module: nn.Module, fresh: bool) -> None:
+    """Check that a weight average's cut ``copy`` pairs with the pipelined ``module`` tensor by tensor, as the
+    averaging callbacks zip them; a ``fresh`` copy (made in this ``fit``'s setup, before the layers outside the
+    backbone were made equal on every stage) takes the module's values, as a copy made after that would hold."""
+    copied, live = [*copy.parameters(), *copy.buffers()], [*module.parameters(), *module.buffers()]
+    if len(copied) != len(live) or any(c.shape != t.shape for c, t in zip(copied, live)):
+        raise RuntimeError(
+            f"The model copy of {callback} does not pair with the pipelined model tensor by tensor "
+            f"({len(copied)} tensors against {len(live)}), so it would average the wrong weights. Report this with "
+            "your model's structure; meanwhile train with this callback on one device or with DDP."
+        )
+    if fresh:
+        with torch.no_grad():
+            for c, t in zip(copied, live):
+                c.copy_(t)
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:

@@ -8,8 +8,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.engine.pipe import GPipe
+from lightning_gpipe.engine.stage_copy import Gather, StageCopy, retie
 
-__all__ = ["check_keys", "full_keys", "gather_state_dict", "local_state_dict", "merge_backbone", "reassemble"]
+__all__ = [
+    "check_keys",
+    "full_keys",
+    "gather_state_dict",
+    "local_state_dict",
+    "merge_backbone",
+    "reassemble",
+    "reassemble_copy",
+]
 
 
 def _cpu(state: dict[str, Any]) -> dict[str, Any]:
@@ -113,18 +122,36 @@ def reassemble(pipe: GPipe) -> nn.Sequential:
     the values gathered from their stages, buffers included (also the non-persistent ones, which a
     ``state_dict`` would leave out). Tied parameters are tied again.
     """
+    full = _fill(pipe, pipe.full_sequential(), pipe.local_layers(), pipe.gather)
+    pipe.ties.retie(full)  # shared parameters are one Parameter again, as in the user's Sequential
+    return full
+
+
+def reassemble_copy(copy: StageCopy) -> nn.Sequential:
+    """The whole Sequential of a :class:`StageCopy` (a weight average's), as :func:`reassemble` does for the pipe."""
+    full = _fill(copy, copy.full_sequential(), copy.local_layers(), copy.gather)
+    retie(full, copy.ties, copy.stage)
+    return full
+
+
+def _fill(
+    own_layers: nn.Module, full: nn.Sequential, local: list[tuple[int, nn.Module]], gather: Gather
+) -> nn.Sequential:
+    """``full`` with the layers that are not in ``local`` given storage and every stage's values; collective."""
     # every name of a shared tensor, so that each place of a tie gets filled (then `retie` joins them)
     own = {
         name: t.detach().cpu()
-        for name, t in [*pipe.named_parameters(remove_duplicate=False), *pipe.named_buffers(remove_duplicate=False)]
+        for name, t in [
+            *own_layers.named_parameters(remove_duplicate=False),
+            *own_layers.named_buffers(remove_duplicate=False),
+        ]
     }
-    parts = pipe.gather(own, to_all=True)
+    parts = gather(own, True)
     values = {k: v for part in parts or [] for k, v in part.items()}
-    full = pipe.full_sequential()
-    local = {i for i, _ in pipe.local_layers()}
+    indices = {i for i, _ in local}
     with torch.no_grad():
         for index, layer in enumerate(full):
-            if index in local:
+            if index in indices:
                 continue
             layer.to_empty(device="cpu")
             for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
@@ -132,5 +159,4 @@ def reassemble(pipe: GPipe) -> nn.Sequential:
                 if key not in values:
                     raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
                 tensor.data = values[key]
-    pipe.ties.retie(full)  # shared parameters are one Parameter again, as in the user's Sequential
     return full

@@ -320,6 +320,28 @@ class GPipe(nn.Module):
         """The Sequential this pipeline was built from (other stages' layers are on ``meta`` until reassembled)."""
         return self._full[0]
 
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A whole Sequential's state loads (`model.load_state_dict(whole)`, as weight-averaging callbacks call it on
+        # resume): each stage takes its own layers' entries and leaves the other layers' to their stages. Which keys
+        # a whole state must hold is the caller's check (the Lightning strategy checks them on every rank alike).
+        own = set(self._modules)
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            layer = key[len(prefix) :].split(".", 1)[0]
+            if layer.isdigit() and int(layer) < self.num_layers and layer not in own:
+                del state_dict[key]
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
     def close(self) -> None:
         """Shut the links between stages down; collective, call on every process of the job."""
         _live.discard(self)
