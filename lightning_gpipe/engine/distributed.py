@@ -76,7 +76,21 @@ def wait(work: Optional[dist.Work], watch: Optional[Watch]) -> None:
         watch()
         time.sleep(pause)
         pause = min(2 * pause, 1e-2)
-    work.wait()  # raises the transport's error, if any
+    try:
+        work.wait()  # raises the transport's error, if any
+    except RuntimeError:
+        # A peer that failed closes its connections as it exits, which can end the collective before the
+        # failure board has told this rank why: give the board a moment to, so the error names the stage
+        # and its exception instead of gloo's "connection closed".
+        deadline = time.monotonic() + ACCOUNT_GRACE
+        while time.monotonic() < deadline:
+            watch()
+            time.sleep(0.05)
+        raise
+
+
+#: Seconds a broken collective waits for the failure board's account of the peer that broke it.
+ACCOUNT_GRACE = 2.0
 
 
 def _size(group: Optional[dist.ProcessGroup]) -> int:
