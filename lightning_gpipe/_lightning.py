@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import ModelSummary, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,16 +34,21 @@ __all__ = [
     "PipelineSummary",
     "averaged_copies",
     "current_hook",
+    "finetuning_callbacks",
+    "finetuning_group_names",
     "first_batch",
     "init_process_group",
     "launcher",
     "log_to_loggers",
     "optimizers_to_device",
+    "restore_finetuning_param_groups",
     "should_update_logs",
     "silence_sync_dist_advice",
     "silence_not_resumable_warning",
     "tell_swa_about_batch_norm",
     "use_pipeline_summaries",
+    "walk_stages_in_finetuning",
+    "with_finetuning_group_names",
 ]
 
 
@@ -299,13 +304,17 @@ class _Pipeline:
         return PipelineSummary(pl_module, self._max_depth, strategy.backbone, pipe)
 
 
+def _callbacks(trainer: "pl.Trainer") -> list[Any]:
+    return trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__, not declared
+
+
 def use_pipeline_summaries(trainer: "pl.Trainer") -> None:
     """Make the trainer's model-summary callbacks count the whole pipeline.
 
     Lightning adds its ``ModelSummary`` callback itself, so each one in ``trainer.callbacks`` is replaced
     by a copy of it (same settings) that derives from :class:`_Pipeline` too (see :mod:`lightning_gpipe._subclass`).
     """
-    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__, not declared
+    callbacks = _callbacks(trainer)
     for i, callback in enumerate(callbacks):
         if isinstance(callback, ModelSummary):
             callbacks[i] = copy_as(callback, _Pipeline)
@@ -343,3 +352,94 @@ def tell_swa_about_batch_norm(trainer: "pl.Trainer", whole_model_has_batch_norm:
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, StochasticWeightAveraging):
             callback.pl_module_contains_batch_norm = pl_module_contains_batch_norm  # type: ignore[method-assign]
+
+
+# -- BaseFinetuning's param groups --------------------------------------------------------------------------
+#
+# A BaseFinetuning callback (BackboneFinetuning) adds param groups while training and keeps, in its state
+# ("internal_optimizer_metadata", per optimizer index), every group's hyperparameters and parameter names,
+# which it puts back on a resumed run. Two things differ under the pipeline. Each stage's callback names
+# only its own parameters, and the file holds the first stage's: the names are merged over the stages when a
+# checkpoint is saved. And the callback puts the groups back in its ``on_fit_start`` when it has loaded its
+# state (private ``_restarting``), but this strategy restores the callbacks after ``on_fit_start`` (it needs
+# the partitioned model first): the strategy puts them back itself, before the optimizer's state is loaded,
+# which is where one device has them.
+
+_FINETUNING_STATE = "internal_optimizer_metadata"
+_FLATTEN = "flatten_modules"
+
+
+def walk_stages_in_finetuning() -> None:
+    """Make BaseFinetuning walk a partitioned backbone through this stage's layers; idempotent.
+
+    Its ``freeze``, ``make_trainable`` and ``filter_params`` find the layers with
+    ``BaseFinetuning.flatten_modules``, which iterates a module that is iterable (an ``nn.Sequential``
+    yields its layers) and takes ``modules()`` of one that is not. A ``GPipe`` refuses iteration (the other
+    stages' layers are elsewhere), so for a ``GPipe`` it is given this stage's layers instead: the stage's
+    share of what one device walks, so each stage freezes, unfreezes and adds to the optimizer its own part
+    of the backbone. Replaced on the class (a public static method, always called through the class), where a
+    subclass of the callback cannot change it; other modules are walked as before.
+    """
+    original = getattr(BaseFinetuning, _FLATTEN)
+    if original.__module__ == __name__:  # already replaced by this function
+        return
+
+    def flatten_modules(modules: Any) -> list[nn.Module]:
+        if isinstance(modules, GPipe):
+            modules = [layer for _, layer in modules.local_layers()]
+        return original(modules)
+
+    setattr(BaseFinetuning, _FLATTEN, staticmethod(flatten_modules))
+
+
+def finetuning_callbacks(trainer: "pl.Trainer") -> list[BaseFinetuning]:
+    """The trainer's BaseFinetuning callbacks (BackboneFinetuning and the user's subclasses)."""
+    return [c for c in _callbacks(trainer) if isinstance(c, BaseFinetuning)]
+
+
+def finetuning_group_names(trainer: "pl.Trainer", states: dict[str, Any]) -> dict[str, dict[int, list[list[str]]]]:
+    """For each BaseFinetuning callback's state in ``states`` (a checkpoint's ``"callbacks"``): the names of each
+    param group it keeps, per optimizer index."""
+    out: dict[str, dict[int, list[list[str]]]] = {}
+    for callback in finetuning_callbacks(trainer):
+        state = states.get(callback.state_key)
+        if isinstance(state, dict) and isinstance(state.get(_FINETUNING_STATE), dict):
+            out[callback.state_key] = {
+                index: [list(group["params"]) for group in groups] for index, groups in state[_FINETUNING_STATE].items()
+            }
+    return out
+
+
+def with_finetuning_group_names(states: dict[str, Any], names: dict[str, dict[int, list[list[str]]]]) -> dict[str, Any]:
+    """``states`` with each BaseFinetuning group's parameter names replaced by ``names``' (new dicts: the callback's
+    own state is left alone)."""
+    out = dict(states)
+    for key, per_optimizer in names.items():
+        saved = out[key][_FINETUNING_STATE]
+        out[key] = {
+            **out[key],
+            _FINETUNING_STATE: {
+                index: [{**group, "params": list(new)} for group, new in zip(saved[index], per_optimizer[index])]
+                for index in saved
+            },
+        }
+    return out
+
+
+def restore_finetuning_param_groups(
+    trainer: "pl.Trainer", local_groups: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+) -> None:
+    """Do what a BaseFinetuning callback's ``on_fit_start`` does after it loaded its state from a checkpoint.
+
+    Each optimizer's param groups become the ones the callback saved, with this stage's parameters:
+    ``local_groups`` turns groups that name parameters into groups that hold them. Then the callback counts
+    as restored, as after its own ``on_fit_start`` (private: ``_restarting``, ``_internal_optimizer_metadata``).
+    """
+    for callback in finetuning_callbacks(trainer):
+        if not callback._restarting:
+            continue
+        saved = callback._internal_optimizer_metadata
+        for index, optimizer in enumerate(trainer.optimizers):
+            if index in saved:
+                optimizer.param_groups = local_groups(saved[index])
+        callback._restarting = False

@@ -30,14 +30,19 @@ from typing_extensions import override
 from lightning_gpipe._lightning import (
     averaged_copies,
     current_hook,
+    finetuning_callbacks,
+    finetuning_group_names,
     first_batch,
     init_process_group,
     launcher,
     optimizers_to_device,
+    restore_finetuning_param_groups,
     silence_not_resumable_warning,
     silence_sync_dist_advice,
     tell_swa_about_batch_norm,
     use_pipeline_summaries,
+    walk_stages_in_finetuning,
+    with_finetuning_group_names,
 )
 from lightning_gpipe._subclass import copy_as
 from lightning_gpipe.balancing.profiling import COST_KINDS, LayerCosts, profile_layers
@@ -57,8 +62,15 @@ from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, per_micro_batch_
 from lightning_gpipe.engine.checkpoint import check_checkpoint_mode
 from lightning_gpipe.engine.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
 from lightning_gpipe.engine.gradients import clip_grad_norm_
+from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists, needs_whole_gradient
 from lightning_gpipe.engine.partition import balance as optimal_balance
-from lightning_gpipe.engine.partition import balance_by_params, parameter_costs, split_table, validate_balance
+from lightning_gpipe.engine.partition import (
+    balance_by_params,
+    parameter_costs,
+    split_table,
+    stage_bounds,
+    validate_balance,
+)
 from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
@@ -175,6 +187,7 @@ class GPipeStrategy(ParallelStrategy):
         self._failed = False
         self._full_names: list[str] = []  # the model's parameter names in order, before partitioning
         self._layouts: list[optim_state.Layout] = []  # per optimizer: its groups over the whole model
+        self._emptied: list[torch.optim.Optimizer] = []  # optimizers given no parameters on this stage
         self._loaders: list[Any] = []  # the resumable training loaders handed to the loop
         self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
         self._batch_idx = -1
@@ -409,21 +422,74 @@ class GPipeStrategy(ParallelStrategy):
         self._sync_metrics_over_replicas()
         self._cut_averaged_copies(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            try:
-                self.setup_optimizers(trainer)
-            except ValueError as error:
-                if "empty parameter list" not in str(error):
-                    raise
-                raise ValueError(
-                    f"Stage {self.pipe.stage} has no parameters for its optimizer (layers "
-                    f"{[i for i, _ in self.pipe.local_layers()]}). Give every stage trainable layers with `balance`, "
-                    "or keep a trainable layer outside the backbone (a head) that every stage steps."
-                ) from error
+            self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
             self._layouts = [self._optimizer_layout(o) for o in self.optimizers]
+            self._refuse_empty_everywhere()
         use_pipeline_summaries(trainer)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        """Run ``configure_optimizers``; a stage may hold none of an optimizer's parameters.
+
+        Every stage runs the user's code once, as one device does. An optimizer given no parameters here
+        (``SGD(filter(lambda p: p.requires_grad, self.parameters()))`` on a frozen stage) gets one empty
+        param group (see :func:`~lightning_gpipe.engine.optimizers.accept_empty_parameter_lists`): its step
+        is a no-op on this stage, and it joins the loop, the schedulers and the checkpoints like the others.
+        """
+        with accept_empty_parameter_lists() as emptied:
+            super().setup_optimizers(trainer)
+        self._emptied = emptied
+        if self.layout.pipe_size > 1:
+            self._refuse_whole_gradient_optimizers()
+            self._refuse_finetuning_on_a_stage_without_parameters(trainer)
+            walk_stages_in_finetuning()
+
+    def _refuse_whole_gradient_optimizers(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer = _unwrap(optimizer)
+            if needs_whole_gradient(optimizer):
+                name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+                raise ValueError(
+                    f"{name} is not supported by the gpipe strategy: its step is computed from the whole gradient (its "
+                    "line search, step size, stopping tests and curvature pairs take dot products and norms over every "
+                    "parameter), but each stage of the pipeline holds only its own part of the gradient, so the stages "
+                    "would step differently, and could evaluate the closure a different number of times and wait on "
+                    "each other forever. Use a first-order optimizer (SGD, Adam, AdamW, ...), whose step is computed "
+                    "per parameter, or train without pipeline stages (devices=1, or pipe_size=1)."
+                )
+
+    def _refuse_finetuning_on_a_stage_without_parameters(self, trainer: "pl.Trainer") -> None:
+        """A BaseFinetuning callback adds a param group only where the modules it unfreezes have parameters.
+
+        A stage with none would miss the group that the other stages add, and ``param_groups[-1]`` (which
+        BackboneFinetuning sets the backbone's learning rate on) would be another group there: its copy of the
+        layers outside the backbone would be stepped with the backbone's rate.
+        """
+        finetuning = [type(c).__name__ for c in finetuning_callbacks(trainer)]
+        if not finetuning or self.pipe is None:
+            return
+        costs = parameter_costs(self.pipe.full_sequential())
+        for stage, (start, stop) in enumerate(stage_bounds(self.pipe.balance)):
+            if not any(costs[start:stop]):
+                raise ValueError(
+                    f"The {finetuning[0]} callback is not supported with balance={list(self.pipe.balance)}: stage "
+                    f"{stage} (layers {start} to {stop - 1} of `{self.backbone}`) holds no parameters, so when the "
+                    "callback unfreezes the backbone it adds a param group on the other stages only, and the stages' "
+                    "optimizers would differ. Choose a `balance` that gives every stage a layer with parameters."
+                )
+
+    def _refuse_empty_everywhere(self) -> None:
+        """An optimizer given no parameters on any stage fails as on one device (``self._layouts`` are collective)."""
+        for optimizer, groups in zip(self.optimizers, self._layouts):
+            if _unwrap(optimizer) in self._emptied and not any(groups):
+                raise ValueError(
+                    f"optimizer got an empty parameter list: configure_optimizers built "
+                    f"{type(_unwrap(optimizer)).__name__} from no parameters, on every stage of the pipeline (one "
+                    "device raises this too). Give it parameters that require grad."
+                )
 
     @override
     def model_to_device(self) -> None:
@@ -702,13 +768,21 @@ class GPipeStrategy(ParallelStrategy):
         parts = self.pipe.gather(named, to_all=False)
         if parts is None:
             return {}
-        return optim_state.merge(parts, self._layouts[self.optimizers.index(optimizer)])
+        # the groups as they are now: a callback (BackboneFinetuning) may have added some since setup
+        groups = optim_state.layout([optim_state.group_names(part) for part in parts], self._full_names)
+        return optim_state.merge(parts, groups)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Each stage takes its parameters' state, by name, from a checkpoint of any split or of one device."""
         module = self.lightning_module
         assert module is not None
+        # BaseFinetuning's groups first, as one device has them before it loads the optimizers' state
+        restore_finetuning_param_groups(
+            module.trainer, lambda groups: optim_state.local_groups(groups, module, self._full_names)
+        )
+        if self.pipe is not None:  # the groups may have changed since setup; collective
+            self._layouts = [self._optimizer_layout(o) for o in self.optimizers]
         for optimizer, saved, layout in zip(self.optimizers, checkpoint["optimizer_states"], self._layouts):
             optimizer = _unwrap(optimizer)
             if "groups" in saved:  # a sharded checkpoint keeps the named form
@@ -731,6 +805,7 @@ class GPipeStrategy(ParallelStrategy):
             )
             return
         if self.pipe is not None:
+            self._merge_finetuning_groups(checkpoint)
             checkpoint["gpipe"] = {
                 "calls": self.pipe.calls,
                 "seed": self.pipe.seed,
@@ -756,6 +831,33 @@ class GPipeStrategy(ParallelStrategy):
                 self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             else:
                 atomic_write(lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options), path)
+
+    def _merge_finetuning_groups(self, checkpoint: dict[str, Any]) -> None:
+        """BaseFinetuning callbacks' saved param groups with every stage's parameters; collective.
+
+        Each stage's callback names its own stage's parameters (and the layers outside the backbone); the
+        file holds the first stage's state, which must name them all for a resume, on one device or on K.
+        """
+        module = self.lightning_module
+        assert self.pipe is not None and module is not None
+        states = checkpoint.get("callbacks") or {}
+        names = finetuning_group_names(module.trainer, states)
+        if not names:  # the same on every rank: the same callbacks
+            return
+        canonical = tied.canonical_names(module)
+        local = {n: canonical.get(id(p), n) for n, p in module.named_parameters()}
+        names = {
+            key: {i: [[local.get(n, n) for n in g] for g in groups] for i, groups in per.items()}
+            for key, per in names.items()
+        }
+        parts = self.pipe.gather(names, to_all=False)
+        if parts is None:
+            return
+        merged = {
+            key: {i: optim_state.layout([part[key][i] for part in parts], self._full_names) for i in per}
+            for key, per in names.items()
+        }
+        checkpoint["callbacks"] = with_finetuning_group_names(states, merged)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -18,7 +18,17 @@ from torch.optim import Optimizer
 from lightning_gpipe.engine.failure import PipelineError
 from lightning_gpipe.engine.tied import canonical_names
 
-__all__ = ["Layout", "param_names", "named_state", "layout", "merge", "localize", "from_named"]
+__all__ = [
+    "Layout",
+    "param_names",
+    "named_state",
+    "group_names",
+    "layout",
+    "merge",
+    "localize",
+    "from_named",
+    "local_groups",
+]
 
 #: For each param group, the names of its parameters across the whole model, in one-device order.
 Layout = list[list[str]]
@@ -55,6 +65,14 @@ def named_state(optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
         "state": {flat[i]: value for i, value in state["state"].items()},
         "group_of": {name: g for g, group in enumerate(names) for name in group},
     }
+
+
+def group_names(named: Mapping[str, Any]) -> list[list[str]]:
+    """Each param group's parameter names in a :func:`named_state` (what :func:`param_names` said on that stage)."""
+    groups: list[list[str]] = [[] for _ in named["groups"]]
+    for name, g in named["group_of"].items():
+        groups[g].append(name)
+    return groups
 
 
 def layout(local_names: Sequence[list[list[str]]], full_order: Sequence[str]) -> Layout:
@@ -179,3 +197,25 @@ def from_named(named: Mapping[str, Any]) -> dict[str, Any]:
         groups.append({**group, "params": ids, "param_names": list(names)})
         index += len(names)
     return {"state": state, "param_groups": groups}
+
+
+def local_groups(groups: Sequence[Mapping[str, Any]], module: nn.Module, known: Sequence[str]) -> list[dict[str, Any]]:
+    """Param groups that name their parameters (``"params"``: names in the whole model), holding this rank's.
+
+    A name of another stage's parameter is left out; a name that the whole model (``known``) lacks is an
+    error, as it is on one device.
+    """
+    mine = dict(module.named_parameters())
+    params = {id(p): p for p in mine.values()}
+    mine.update({name: params[i] for i, name in canonical_names(module).items() if i in params})
+    known_names = set(known)
+    out = []
+    for g, group in enumerate(groups):
+        unknown = [n for n in group["params"] if n not in mine and n not in known_names]
+        if unknown:
+            raise ValueError(
+                f"Param group {g} names parameters that {type(module).__name__} does not have: {unknown}. "
+                "Resume with the model the checkpoint was written for."
+            )
+        out.append({**group, "params": [mine[n] for n in group["params"] if n in mine]})
+    return out

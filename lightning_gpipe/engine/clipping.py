@@ -66,6 +66,7 @@ def global_grad_norm(
     error_if_nonfinite: bool = False,
     foreach: Optional[bool] = None,
     watch: Optional[distributed.Watch] = None,
+    device: Optional[torch.device] = None,
 ) -> Tensor:
     """The ``norm_type``-norm of the gradients of the whole model, the same on every stage; collective over ``group``.
 
@@ -74,7 +75,8 @@ def global_grad_norm(
     counted once, on the stage with ``count_replicated`` set. ``counted_elsewhere`` are skipped: copies
     of a tied parameter that an earlier stage holds too (and counts). ``group=None``: this process
     alone. ``watch`` is polled while the all-reduce waits (:mod:`lightning_gpipe.engine.distributed`),
-    so a failed peer raises instead of leaving the stage waiting.
+    so a failed peer raises instead of leaving the stage waiting. ``device``: where a stage without any
+    gradient (a frozen stage) makes its share, which must be on the group's device for NCCL.
 
     The result has the gradients' dtype (promoted, as torch's ``clip_grad_norm_`` returns it), float32
     on a stage without any. With ``error_if_nonfinite``, a norm that is ``nan`` or ``inf`` raises, on
@@ -87,7 +89,7 @@ def global_grad_norm(
     grads = [g for _, g in pairs]
     own = [g for key, g in pairs if key in own_ids and key not in skip]
     shared = [g for key, g in pairs if key not in own_ids and key not in skip]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = grads[0].device if grads else (device or torch.device("cpu"))
     dtype = torch.float32
     if grads:
         dtype = grads[0].dtype
@@ -124,6 +126,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: Optional[bool] = None,
     watch: Optional[distributed.Watch] = None,
+    device: Optional[torch.device] = None,
 ) -> Tensor:
     """Scale the gradients of ``parameters`` so that the norm over all stages is at most ``max_norm``.
 
@@ -143,6 +146,7 @@ def clip_grad_norm_(
         error_if_nonfinite=error_if_nonfinite,
         foreach=foreach,
         watch=watch,
+        device=device,
     )
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
     return total

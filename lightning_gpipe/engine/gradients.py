@@ -89,6 +89,7 @@ def clip_grad_norm_(
         error_if_nonfinite=error_if_nonfinite,
         foreach=foreach,
         watch=pipe.watch("lightning_gpipe.clip_grad_norm_ (the gradient norm of all stages)"),
+        device=pipe.device,  # a stage may have no gradient at all (frozen), yet joins the all-reduce
     )
 
 
