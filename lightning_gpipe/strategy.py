@@ -429,6 +429,7 @@ class GPipeStrategy(ParallelStrategy):
             self._layouts = [self._optimizer_layout(o) for o in self.optimizers]
             self._refuse_empty_everywhere()
         use_pipeline_summaries(trainer)
+        walk_stages_in_finetuning()
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -444,41 +445,57 @@ class GPipeStrategy(ParallelStrategy):
         self._emptied = emptied
         if self.layout.pipe_size > 1:
             self._refuse_whole_gradient_optimizers()
-            self._refuse_finetuning_on_a_stage_without_parameters(trainer)
-            walk_stages_in_finetuning()
+        finetuning = finetuning_callbacks(trainer)
+        if finetuning:
+            self._refuse_unsupported_finetuning(type(finetuning[0]).__name__)
 
     def _refuse_whole_gradient_optimizers(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer = _unwrap(optimizer)
-            if needs_whole_gradient(optimizer):
-                name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-                raise ValueError(
-                    f"{name} is not supported by the gpipe strategy: its step is computed from the whole gradient (its "
-                    "line search, step size, stopping tests and curvature pairs take dot products and norms over every "
-                    "parameter), but each stage of the pipeline holds only its own part of the gradient, so the stages "
-                    "would step differently, and could evaluate the closure a different number of times and wait on "
-                    "each other forever. Use a first-order optimizer (SGD, Adam, AdamW, ...), whose step is computed "
-                    "per parameter, or train without pipeline stages (devices=1, or pipe_size=1)."
-                )
+        for optimizer in map(_unwrap, self.optimizers):
+            if not needs_whole_gradient(optimizer):
+                continue
+            cls = type(optimizer)
+            base = next(c for c in cls.__mro__ if c.__module__.startswith("torch.optim"))
+            name = f"torch.optim.{base.__name__}"
+            if cls is not base:
+                name = f"{cls.__module__}.{cls.__qualname__} (a {name})"
+            raise ValueError(
+                f"{name} is not supported by the gpipe strategy with {self.layout.pipe_size} stages: its step is "
+                "computed from the whole gradient (its line search, step size, stopping tests and curvature pairs take "
+                "dot products and norms over every parameter), but each stage of the pipeline holds only its own part "
+                "of the gradient, so the stages would step differently, and could evaluate the closure a different "
+                "number of times and wait on each other forever. Use a first-order optimizer (SGD, Adam, AdamW, ...), "
+                "whose step is computed per parameter, or train without pipeline stages (devices=1, or pipe_size=1)."
+            )
 
-    def _refuse_finetuning_on_a_stage_without_parameters(self, trainer: "pl.Trainer") -> None:
-        """A BaseFinetuning callback adds a param group only where the modules it unfreezes have parameters.
+    def _refuse_unsupported_finetuning(self, callback: str) -> None:
+        """The two cases where a BaseFinetuning callback (BackboneFinetuning) would not train as on one device.
 
-        A stage with none would miss the group that the other stages add, and ``param_groups[-1]`` (which
-        BackboneFinetuning sets the backbone's learning rate on) would be another group there: its copy of the
-        layers outside the backbone would be stepped with the backbone's rate.
+        With data-parallel replicas: each stage averages over its replicas the gradients of the parameters that
+        required grad when the pipeline was built (``GradientSync``), and the callback unfreezes the backbone
+        later, so the replicas would train it apart (measured: their backbones 2e-2 apart after 3 epochs).
+        With a stage that holds no parameters: the callback adds a param group only where the modules it
+        unfreezes have some, so that stage's optimizer would miss the group, and ``param_groups[-1]`` (which
+        BackboneFinetuning sets the backbone's learning rate on) would be the head's group there.
         """
-        finetuning = [type(c).__name__ for c in finetuning_callbacks(trainer)]
-        if not finetuning or self.pipe is None:
+        layout, pipe = self.layout, self.pipe
+        if layout.num_replicas > 1:
+            raise ValueError(
+                f"The {callback} callback is not supported with data-parallel replicas ({layout.num_replicas} "
+                f"pipelines of {layout.pipe_size} stage{'s' * (layout.pipe_size > 1)}): the replicas average the "
+                "gradients of the parameters that require grad when the pipeline is built, so the layers that the "
+                "callback unfreezes later would be trained apart on each replica. Use one pipeline (pipe_size equal "
+                "to the number of devices), or unfreeze the layers before `fit`."
+            )
+        if pipe is None or layout.pipe_size == 1:
             return
-        costs = parameter_costs(self.pipe.full_sequential())
-        for stage, (start, stop) in enumerate(stage_bounds(self.pipe.balance)):
+        costs = parameter_costs(pipe.full_sequential())
+        for stage, (start, stop) in enumerate(stage_bounds(pipe.balance)):
             if not any(costs[start:stop]):
                 raise ValueError(
-                    f"The {finetuning[0]} callback is not supported with balance={list(self.pipe.balance)}: stage "
-                    f"{stage} (layers {start} to {stop - 1} of `{self.backbone}`) holds no parameters, so when the "
-                    "callback unfreezes the backbone it adds a param group on the other stages only, and the stages' "
-                    "optimizers would differ. Choose a `balance` that gives every stage a layer with parameters."
+                    f"The {callback} callback is not supported with balance={list(pipe.balance)}: stage {stage} "
+                    f"(layers {start} to {stop - 1} of `{self.backbone}`) holds no parameters, so when the callback "
+                    "unfreezes the backbone it adds a param group on the other stages only, and the stages' optimizers "
+                    "would differ. Choose a `balance` that gives every stage a layer with parameters."
                 )
 
     def _refuse_empty_everywhere(self) -> None:

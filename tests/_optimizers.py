@@ -100,6 +100,7 @@ def _trainer(
     callbacks: list[Callback],
     balance: list[int] = BALANCE,
     state_dict_type: str = "full",
+    pipe_size: int | None = None,
     **kwargs: Any,
 ) -> L.Trainer:
     saves = any(isinstance(c, ModelCheckpoint) for c in callbacks)
@@ -108,7 +109,9 @@ def _trainer(
         return L.Trainer(devices=1, **kwargs)
     from lightning_gpipe import GPipeStrategy
 
-    strategy = GPipeStrategy(balance=balance, chunks=2, state_dict_type=state_dict_type)
+    if pipe_size == 1:
+        balance = [sum(BALANCE)]  # one stage
+    strategy = GPipeStrategy(balance=balance, chunks=2, state_dict_type=state_dict_type, pipe_size=pipe_size)
     return L.Trainer(strategy=strategy, devices=devices, **kwargs)
 
 
@@ -221,6 +224,10 @@ def refused(world_size: int) -> dict[str, Any]:
     model.backbone.append(nn.ReLU())
     callback = BackboneFinetuning(unfreeze_backbone_at_epoch=UNFREEZE)
     out["finetuning, a stage without parameters"] = _refusal(model, world_size, [callback], balance=[7, 1])
+    # 2 data-parallel replicas of a 1-stage pipeline: the backbone, frozen when the pipeline is built, would
+    # not be averaged over the replicas once unfrozen
+    callback = BackboneFinetuning(unfreeze_backbone_at_epoch=UNFREEZE)
+    out["finetuning, data-parallel replicas"] = _refusal(Finetuned(), world_size, [callback], pipe_size=1)
     return out
 
 

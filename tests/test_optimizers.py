@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_gpipe.checkpointing.files import consolidate
+from lightning_gpipe.engine.clipping import global_grad_norm
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists, needs_whole_gradient
 from lightning_gpipe.launch import run_processes
 
@@ -104,6 +105,15 @@ def test_an_optimizer_built_from_no_parameters_gets_one_empty_group_that_steps_s
         optimizer.load_state_dict(optimizer.state_dict())
     with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
         torch.optim.SGD([], lr=0.1)  # torch's own check is back once the context is left
+
+
+def test_a_stage_without_any_gradient_makes_its_norm_share_on_the_pipelines_device():
+    # with NCCL the all-reduce of the stages' shares needs a CUDA tensor on a frozen stage too; here "meta"
+    # stands for the pipeline's device: the share is made there when no gradient says where
+    frozen = [torch.nn.Parameter(torch.ones(2))]
+    total = global_grad_norm(frozen, frozen, True, None, device=torch.device("meta"))
+    assert total.device.type == "meta"
+    assert global_grad_norm(frozen, frozen, True, None).device.type == "cpu"  # the default without a device
 
 
 def test_a_frozen_first_stage_without_a_head_trains_as_on_one_device(ranks, reference):
@@ -233,13 +243,15 @@ def test_only_lbfgs_among_torchs_optimizers_needs_the_whole_gradient():
 
 
 REFUSALS = {
-    "lbfgs": "ValueError: torch.optim.lbfgs.LBFGS is not supported by the gpipe strategy: its step is computed from "
-    "the whole gradient",
-    "lbfgs-wolfe": "ValueError: torch.optim.lbfgs.LBFGS is not supported by the gpipe strategy",
+    "lbfgs": "ValueError: torch.optim.LBFGS is not supported by the gpipe strategy with 2 stages: its step is "
+    "computed from the whole gradient",
+    "lbfgs-wolfe": "ValueError: torch.optim.LBFGS is not supported by the gpipe strategy with 2 stages",
     "nothing": "ValueError: optimizer got an empty parameter list: configure_optimizers built SGD from no parameters, "
     "on every stage",
     "finetuning, a stage without parameters": "ValueError: The BackboneFinetuning callback is not supported with "
     "balance=[7, 1]: stage 1 (layers 7 to 7 of `backbone`) holds no parameters",
+    "finetuning, data-parallel replicas": "ValueError: The BackboneFinetuning callback is not supported with "
+    "data-parallel replicas (2 pipelines of 1 stage)",
 }
 
 
