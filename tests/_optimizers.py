@@ -109,7 +109,7 @@ def _trainer(
         return L.Trainer(devices=1, **kwargs)
     from lightning_gpipe import GPipeStrategy
 
-    if pipe_size == 1:
+    if pipe_size == 1 or devices == 1:
         balance = [sum(BALANCE)]  # one stage
     strategy = GPipeStrategy(balance=balance, chunks=2, state_dict_type=state_dict_type, pipe_size=pipe_size)
     return L.Trainer(strategy=strategy, devices=devices, **kwargs)

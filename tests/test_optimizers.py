@@ -242,6 +242,13 @@ def test_only_lbfgs_among_torchs_optimizers_needs_the_whole_gradient():
     assert not any(needs_whole_gradient(getattr(torch.optim, name)(params)) for name in others)
 
 
+def test_lbfgs_with_one_stage_trains_as_on_one_device():
+    # the refusal is for several stages only: a one-stage pipeline holds the whole gradient
+    expected = O.picky("lbfgs-wolfe", pipeline=False, max_steps=3)
+    got = O.picky("lbfgs-wolfe", pipeline=True, devices=1, max_steps=3)
+    assert_same_weights(got["weights"], expected["weights"], "pipeline-1")
+
+
 REFUSALS = {
     "lbfgs": "ValueError: torch.optim.LBFGS is not supported by the gpipe strategy with 2 stages: its step is "
     "computed from the whole gradient",
