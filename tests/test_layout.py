@@ -185,3 +185,18 @@ def test_the_architecture_doc_names_methods_that_exist():
     assert len(named) > 15
     missing = [f"{cls}.{name}" for cls, name in named if f"{cls}.{name}" not in _defined(PACKAGE / homes[cls])]
     assert not missing, f"docs/architecture.md names methods the code does not have: {missing}"
+
+
+def test_every_test_the_compatibility_page_names_exists():
+    import re
+
+    root = PACKAGE.parent
+    page = (root / "docs" / "compatibility.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and "`tests/" in line]
+    assert len(rows) >= 40
+    missing = []
+    for file, name in re.findall(r"`(tests/[a-z_]+\.py)::([a-z0-9_]+)(?:\[[^\]]*\])?`", page):
+        path = root / file
+        if not path.exists() or name not in _defined(path):
+            missing.append(f"{file}::{name}")
+    assert not missing, f"docs/compatibility.md names tests that do not exist: {missing}"
