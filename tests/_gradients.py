@@ -133,6 +133,7 @@ def plain(rank: int) -> dict[str, Any]:
     """``grad_norm`` and ``clip_grad_norm_`` of a module whose backbone is a 2-stage GPipe; then stage 1 fails
     and stage 0, in ``grad_norm``, must raise at once instead of waiting for it."""
     from lightning_gpipe import GPipe, PipelineError, clip_grad_norm_, grad_norm
+    from lightning_gpipe.engine.gradients import owning_pipe
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -144,6 +145,14 @@ def plain(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"norms": {p: grad_norm(model, p) for p in NORM_TYPES}}
     out["total"] = clip_grad_norm_(model.parameters(), 0.5)
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    other = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=1)  # a second pipeline of 2 stages
+    out["owner_found"] = owning_pipe(list(model.parameters())) is pipe
+    try:
+        owning_pipe([nn.Parameter(torch.ones(1))])
+        out["ambiguous"] = "no error"
+    except ValueError as error:
+        out["ambiguous"] = str(error)
+    other.close()
     if rank == 1:
         pipe.board.publish(RuntimeError("stage 1 broke before the gradient norm"))
         time.sleep(3.0)  # alive while stage 0 waits: only the failure board can tell it

@@ -255,13 +255,18 @@ def test_the_norm_has_the_gradients_dtype_and_refuses_a_non_finite_norm_when_ask
         global_grad_norm(own, own, True, None, error_if_nonfinite=True)
 
 
-def test_the_pipeline_is_found_among_the_live_ones_by_its_parameters():
+def test_pipelines_of_several_stages_are_found_by_their_parameters_and_ambiguity_names_pipe(layouts):
+    for rank in layouts((2, 1)):
+        assert rank["plain"]["owner_found"]
+        assert "2 live GPipe pipelines" in rank["plain"]["ambiguous"] and "pipe=" in rank["plain"]["ambiguous"]
+
+
+def test_pipelines_of_one_stage_are_live_but_join_no_one():
     first, second = GPipe(nn.Sequential(nn.Linear(3, 3)), chunks=1), GPipe(nn.Sequential(nn.Linear(3, 2)), chunks=1)
     try:
         assert first in live_pipes() and second in live_pipes()
-        assert owning_pipe(list(second.parameters())) is second
-        with pytest.raises(ValueError, match="pipe="):  # a parameter of neither, with two live pipelines
-            owning_pipe([nn.Parameter(torch.ones(1))])
+        assert owning_pipe(list(second.parameters())) is None  # one stage alone: torch's own function serves
+        assert owning_pipe([nn.Parameter(torch.ones(1))]) is None
         for p in first.parameters():
             p.grad = torch.ones_like(p)
         expected = torch.nn.utils.get_total_norm([p.grad for p in first.parameters()])

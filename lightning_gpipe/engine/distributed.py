@@ -129,7 +129,12 @@ def reduce_op(op: Any) -> tuple[Any, bool]:
 
 
 def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, watch: Optional[Watch] = None) -> Tensor:
-    """``tensor`` from every rank of ``group``, stacked along a new first dim in group order (equal shapes)."""
+    """``tensor`` from every rank of ``group``, stacked along a new first dim in group order (equal shapes).
+
+    Without a process group (one process), ``tensor`` alone, stacked the same way.
+    """
+    if not is_distributed():
+        return tensor.unsqueeze(0)
     parts = [torch.empty_like(tensor) for _ in range(_size(group))]
     wait(dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True), watch)
     return torch.stack(parts)

@@ -29,11 +29,12 @@ def owning_pipe(parameters: list[Tensor]) -> Optional[GPipe]:
     Looked up among the live pipelines (:func:`~lightning_gpipe.engine.pipe.live_pipes`: built and not
     closed), not from the parameters alone: a stage may hold none of the backbone's parameters that
     were passed (a stage of stateless layers, or only the head's parameters given), yet it must join
-    the other stages' all-reduce. So with one live pipeline, that one is used, and every parameter it
+    the other stages' all-reduce. Pipelines of one stage join no one and are left out. So with one live
+    pipeline of several stages, that one is used, and every parameter it
     does not hold counts as replicated (the same on every rank, as the layers outside the backbone
     are). With several, the one holding some of ``parameters``; otherwise the caller names it.
     """
-    pipes = live_pipes()
+    pipes = [pipe for pipe in live_pipes() if pipe.group is not None]  # one stage alone joins nothing
     if len(pipes) <= 1:
         return pipes[0] if pipes else None
     ids = {id(p) for p in parameters}
