@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 import torchmetrics
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.callbacks import ModelPruning
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_gpipe import refusals
 from lightning_gpipe._lightning import (
     averaged_copies,
     current_hook,
@@ -62,13 +62,12 @@ from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, per_micro_batch_
 from lightning_gpipe.engine.checkpoint import check_checkpoint_mode
 from lightning_gpipe.engine.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
 from lightning_gpipe.engine.gradients import clip_grad_norm_
-from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists, needs_whole_gradient
+from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
 from lightning_gpipe.engine.partition import balance as optimal_balance
 from lightning_gpipe.engine.partition import (
     balance_by_params,
     parameter_costs,
     split_table,
-    stage_bounds,
     validate_balance,
 )
 from lightning_gpipe.engine.pipe import GPipe
@@ -403,8 +402,8 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
-        _refuse_fp16_scaler(self.precision_plugin)
-        self._refuse_callbacks(trainer)
+        refusals.fp16_scaler(self.precision_plugin)
+        refusals.callbacks(trainer.callbacks, [name for name, _ in averaged_copies(trainer)], self.state_dict_type)  # type: ignore[attr-defined]
         self.accelerator.setup(trainer)
         plugin: Any = copy_as(self.precision_plugin, _GlobalNormClipping)  # the user's plugin class, subclassed
         plugin.pipeline = lambda: self.pipe
@@ -427,7 +426,7 @@ class GPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
             self._layouts = [self._optimizer_layout(o) for o in self.optimizers]
-            self._refuse_empty_everywhere()
+            refusals.empty_everywhere([_unwrap(o) for o in self.optimizers], self._layouts, self._emptied)
         use_pipeline_summaries(trainer)
         walk_stages_in_finetuning()
 
@@ -443,70 +442,10 @@ class GPipeStrategy(ParallelStrategy):
         with accept_empty_parameter_lists() as emptied:
             super().setup_optimizers(trainer)
         self._emptied = emptied
-        if self.layout.pipe_size > 1:
-            self._refuse_whole_gradient_optimizers()
+        refusals.whole_gradient_optimizers([_unwrap(o) for o in self.optimizers], self.layout.pipe_size)
         finetuning = finetuning_callbacks(trainer)
         if finetuning:
-            self._refuse_unsupported_finetuning(type(finetuning[0]).__name__)
-
-    def _refuse_whole_gradient_optimizers(self) -> None:
-        for optimizer in map(_unwrap, self.optimizers):
-            if not needs_whole_gradient(optimizer):
-                continue
-            cls = type(optimizer)
-            base = next(c for c in cls.__mro__ if c.__module__.startswith("torch.optim"))
-            name = f"torch.optim.{base.__name__}"
-            if cls is not base:
-                name = f"{cls.__module__}.{cls.__qualname__} (a {name})"
-            raise ValueError(
-                f"{name} is not supported by the gpipe strategy with {self.layout.pipe_size} stages: its step is "
-                "computed from the whole gradient (its line search, step size, stopping tests and curvature pairs take "
-                "dot products and norms over every parameter), but each stage of the pipeline holds only its own part "
-                "of the gradient, so the stages would step differently, and could evaluate the closure a different "
-                "number of times and wait on each other forever. Use a first-order optimizer (SGD, Adam, AdamW, ...), "
-                "whose step is computed per parameter, or train without pipeline stages (devices=1, or pipe_size=1)."
-            )
-
-    def _refuse_unsupported_finetuning(self, callback: str) -> None:
-        """The two cases where a BaseFinetuning callback (BackboneFinetuning) would not train as on one device.
-
-        With data-parallel replicas: each stage averages over its replicas the gradients of the parameters that
-        required grad when the pipeline was built (``GradientSync``), and the callback unfreezes the backbone
-        later, so the replicas would train it apart (measured: their backbones 2e-2 apart after 3 epochs).
-        With a stage that holds no parameters: the callback adds a param group only where the modules it
-        unfreezes have some, so that stage's optimizer would miss the group, and ``param_groups[-1]`` (which
-        BackboneFinetuning sets the backbone's learning rate on) would be the head's group there.
-        """
-        layout, pipe = self.layout, self.pipe
-        if layout.num_replicas > 1:
-            raise ValueError(
-                f"The {callback} callback is not supported with data-parallel replicas ({layout.num_replicas} "
-                f"pipelines of {layout.pipe_size} stage{'s' * (layout.pipe_size > 1)}): the replicas average the "
-                "gradients of the parameters that require grad when the pipeline is built, so the layers that the "
-                "callback unfreezes later would be trained apart on each replica. Use one pipeline (pipe_size equal "
-                "to the number of devices), or unfreeze the layers before `fit`."
-            )
-        if pipe is None or layout.pipe_size == 1:
-            return
-        costs = parameter_costs(pipe.full_sequential())
-        for stage, (start, stop) in enumerate(stage_bounds(pipe.balance)):
-            if not any(costs[start:stop]):
-                raise ValueError(
-                    f"The {callback} callback is not supported with balance={list(pipe.balance)}: stage {stage} "
-                    f"(layers {start} to {stop - 1} of `{self.backbone}`) holds no parameters, so when the callback "
-                    "unfreezes the backbone it adds a param group on the other stages only, and the stages' optimizers "
-                    "would differ. Choose a `balance` that gives every stage a layer with parameters."
-                )
-
-    def _refuse_empty_everywhere(self) -> None:
-        """An optimizer given no parameters on any stage fails as on one device (``self._layouts`` are collective)."""
-        for optimizer, groups in zip(self.optimizers, self._layouts):
-            if _unwrap(optimizer) in self._emptied and not any(groups):
-                raise ValueError(
-                    f"optimizer got an empty parameter list: configure_optimizers built "
-                    f"{type(_unwrap(optimizer)).__name__} from no parameters, on every stage of the pipeline (one "
-                    "device raises this too). Give it parameters that require grad."
-                )
+            refusals.unsupported_finetuning(type(finetuning[0]).__name__, self.layout, self.pipe, self.backbone)
 
     @override
     def model_to_device(self) -> None:
@@ -549,29 +488,6 @@ class GPipeStrategy(ParallelStrategy):
                 if id(tensor) not in backbone:
                     dist.broadcast(tensor.data, src=pipe.ranks[0], group=pipe.group)
         set_rng_state(pipe.broadcast(get_rng_state(self.root_device)), self.root_device)
-
-    def _refuse_callbacks(self, trainer: "pl.Trainer") -> None:
-        """Refuse, on every rank before anything runs, the callbacks that would see one stage as the whole model."""
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, ModelPruning):
-                raise ValueError(
-                    "ModelPruning is not supported by the gpipe strategy: it picks the layers to prune in its "
-                    "`setup`, before the strategy splits the backbone (each process then holds one stage's "
-                    "layers, the others on the meta device), ranks the weights of one stage only when "
-                    "`use_global_unstructured=True`, and rewrites the checkpoint's state_dict from this process's "
-                    "layers alone. Prune after `fit` instead: the whole trained backbone is back in the "
-                    "LightningModule on every rank (use torch.nn.utils.prune on it), or train with ModelPruning on "
-                    "one device or with DDP."
-                )
-        if self.state_dict_type == "sharded":
-            for name, _ in averaged_copies(trainer):
-                raise ValueError(
-                    f"{name} is not supported with GPipeStrategy(state_dict_type='sharded'): the callback keeps "
-                    "the averaged model's tensors in the checkpoint's callback state (EMAWeightAveraging also the "
-                    "current weights beside the averaged ones), which a sharded checkpoint does not split by "
-                    "stage, and after the run the averaged model would stay split over the processes. Use "
-                    "state_dict_type='full' (the default) with weight averaging."
-                )
 
     def _cut_averaged_copies(self, trainer: "pl.Trainer") -> None:
         """Cut the backbone of every weight-averaging callback's model copy like the pipe (see :class:`StageCopy`).
@@ -1023,18 +939,6 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline, processes started with {start_method!r}",
                 start_method=start_method,
             )
-
-
-def _refuse_fp16_scaler(plugin: Precision) -> None:
-    # A GradScaler per stage would decide on its own stage's gradients alone: the stages would disagree on
-    # skipping a step and on the scale, and the backbone's gradients would be unscaled by another scale than
-    # the one they were scaled with. bf16 needs no scaler.
-    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-        raise ValueError(
-            f"precision={plugin.precision!r} is not supported by the gpipe strategy: it scales the loss with a "
-            "GradScaler on each stage, and the stages would disagree on skipped steps and on the scale. Use "
-            "precision='bf16-mixed' (no loss scaling needed), or '32-true'."
-        )
 
 
 def _pair_copy(callback: str, copy: nn.Module, module: nn.Module, fresh: bool) -> None:

@@ -20,8 +20,9 @@ LAYERS = {
     "launch": {"engine"},
     "models": set(),
     "_lightning": {"engine", "_subclass"},
-    "strategy": {"engine", "balancing", "checkpointing", "_lightning", "_subclass"},
+    "strategy": {"refusals", "engine", "balancing", "checkpointing", "_lightning", "_subclass"},
     "monitor.callback": {"engine", "monitor.timer", "monitor.timeline", "_lightning", "strategy"},
+    "refusals": {"engine"},
     "tasks": {"models"},
 }
 #: Layers that must work without Lightning (plain PyTorch).

@@ -1,0 +1,125 @@
+"""What the pipeline refuses before the first step, and why: one function per feature, each raising the error
+that names the feature, the reason and what to use instead.
+
+Every rank runs these checks on the same information (the Trainer's settings and callbacks, the
+optimizers, the split), so every rank refuses alike, before any batch. Each refusal is a row of
+``docs/compatibility.md``; the features that work are there too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch.optim import Optimizer
+
+from lightning_gpipe.engine.optimizers import needs_whole_gradient
+from lightning_gpipe.engine.partition import parameter_costs, stage_bounds
+from lightning_gpipe.engine.pipe import GPipe
+from lightning_gpipe.engine.topology import PipeLayout
+
+__all__ = ["callbacks", "empty_everywhere", "fp16_scaler", "unsupported_finetuning", "whole_gradient_optimizers"]
+
+
+def fp16_scaler(plugin: Precision) -> None:
+    """Loss scaling per stage."""
+    # A GradScaler per stage would decide on its own stage's gradients alone: the stages would disagree on
+    # skipping a step and on the scale, and the backbone's gradients would be unscaled by another scale than
+    # the one they were scaled with. bf16 needs no scaler.
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+        raise ValueError(
+            f"precision={plugin.precision!r} is not supported by the gpipe strategy: it scales the loss with a "
+            "GradScaler on each stage, and the stages would disagree on skipped steps and on the scale. Use "
+            "precision='bf16-mixed' (no loss scaling needed), or '32-true'."
+        )
+
+
+def callbacks(callbacks: list[Any], averaging: list[str], state_dict_type: str) -> None:
+    """Refuse, on every rank before anything runs, the callbacks that would see one stage as the whole model."""
+    for callback in callbacks:
+        if isinstance(callback, ModelPruning):
+            raise ValueError(
+                "ModelPruning is not supported by the gpipe strategy: it picks the layers to prune in its "
+                "`setup`, before the strategy splits the backbone (each process then holds one stage's "
+                "layers, the others on the meta device), ranks the weights of one stage only when "
+                "`use_global_unstructured=True`, and rewrites the checkpoint's state_dict from this process's "
+                "layers alone. Prune after `fit` instead: the whole trained backbone is back in the "
+                "LightningModule on every rank (use torch.nn.utils.prune on it), or train with ModelPruning on "
+                "one device or with DDP."
+            )
+    if state_dict_type == "sharded":
+        for name in averaging:
+            raise ValueError(
+                f"{name} is not supported with GPipeStrategy(state_dict_type='sharded'): the callback keeps "
+                "the averaged model's tensors in the checkpoint's callback state (EMAWeightAveraging also the "
+                "current weights beside the averaged ones), which a sharded checkpoint does not split by "
+                "stage, and after the run the averaged model would stay split over the processes. Use "
+                "state_dict_type='full' (the default) with weight averaging."
+            )
+
+
+def whole_gradient_optimizers(optimizers: list[Optimizer], stages: int) -> None:
+    """An optimizer whose step is computed from the whole gradient (LBFGS): with several stages, each would step
+    from its own part only (see :func:`~lightning_gpipe.engine.optimizers.needs_whole_gradient`)."""
+    if stages == 1:
+        return
+    for optimizer in optimizers:
+        if not needs_whole_gradient(optimizer):
+            continue
+        cls = type(optimizer)
+        base = next(c for c in cls.__mro__ if c.__module__.startswith("torch.optim"))
+        name = f"torch.optim.{base.__name__}"
+        if cls is not base:
+            name = f"{cls.__module__}.{cls.__qualname__} (a {name})"
+        raise ValueError(
+            f"{name} is not supported by the gpipe strategy with {stages} stages: its step is "
+            "computed from the whole gradient (its line search, step size, stopping tests and curvature pairs take "
+            "dot products and norms over every parameter), but each stage of the pipeline holds only its own part "
+            "of the gradient, so the stages would step differently, and could evaluate the closure a different "
+            "number of times and wait on each other forever. Use a first-order optimizer (SGD, Adam, AdamW, ...), "
+            "whose step is computed per parameter, or train without pipeline stages (devices=1, or pipe_size=1)."
+        )
+
+
+def unsupported_finetuning(callback: str, layout: PipeLayout, pipe: Optional[GPipe], backbone: str) -> None:
+    """The two cases where a BaseFinetuning callback (BackboneFinetuning) would not train as on one device.
+
+    With data-parallel replicas: each stage averages over its replicas the gradients of the parameters that
+    required grad when the pipeline was built (``GradientSync``), and the callback unfreezes the backbone
+    later, so the replicas would train it apart (measured: their backbones 2e-2 apart after 3 epochs).
+    With a stage that holds no parameters: the callback adds a param group only where the modules it
+    unfreezes have some, so that stage's optimizer would miss the group, and ``param_groups[-1]`` (which
+    BackboneFinetuning sets the backbone's learning rate on) would be the head's group there.
+    """
+    if layout.num_replicas > 1:
+        raise ValueError(
+            f"The {callback} callback is not supported with data-parallel replicas ({layout.num_replicas} "
+            f"pipelines of {layout.pipe_size} stage{'s' * (layout.pipe_size > 1)}): the replicas average the "
+            "gradients of the parameters that require grad when the pipeline is built, so the layers that the "
+            "callback unfreezes later would be trained apart on each replica. Use one pipeline (pipe_size equal "
+            "to the number of devices), or unfreeze the layers before `fit`."
+        )
+    if pipe is None or layout.pipe_size == 1:
+        return
+    costs = parameter_costs(pipe.full_sequential())
+    for stage, (start, stop) in enumerate(stage_bounds(pipe.balance)):
+        if not any(costs[start:stop]):
+            raise ValueError(
+                f"The {callback} callback is not supported with balance={list(pipe.balance)}: stage {stage} "
+                f"(layers {start} to {stop - 1} of `{backbone}`) holds no parameters, so when the callback "
+                "unfreezes the backbone it adds a param group on the other stages only, and the stages' optimizers "
+                "would differ. Choose a `balance` that gives every stage a layer with parameters."
+            )
+
+
+def empty_everywhere(optimizers: list[Optimizer], layouts: list[Any], emptied: Any) -> None:
+    """An optimizer given no parameters on any stage fails as on one device (the ``layouts``, per optimizer its
+    groups over the whole model, are gathered from every stage, so every rank decides alike)."""
+    for optimizer, groups in zip(optimizers, layouts):
+        if optimizer in emptied and not any(groups):
+            raise ValueError(
+                f"optimizer got an empty parameter list: configure_optimizers built "
+                f"{type(optimizer).__name__} from no parameters, on every stage of the pipeline (one "
+                "device raises this too). Give it parameters that require grad."
+            )
