@@ -12,28 +12,10 @@ import math
 import pytest
 from _scripts import run_script
 
-TINY = [
-    "--device",
-    "cpu",
-    "--amoebanet-layers",
-    "3",
-    "--amoebanet-filters",
-    "8",
-    "--image",
-    "8",
-    "--blocks",
-    "2",
-    "--width",
-    "16",
-    "--sequence",
-    "4",
-    "--batch-size",
-    "8",
-    "--warmup",
-    "0",
-    "--steps",
-    "1",
-]
+TINY = (
+    "--device cpu --amoebanet-layers 3 --amoebanet-filters 8 --image 8 --blocks 2 --width 16 --sequence 4 "
+    "--batch-size 8 --warmup 0 --steps 1"
+).split()
 MODELS = ("amoebanet", "transformer")
 
 
@@ -79,33 +61,11 @@ def test_memory_reports_every_mode_and_k_and_the_largest_model_under_the_cap(tmp
     _, result = _run(
         tmp_path,
         "memory",
-        "--device",
-        "cpu",
-        "--stages",
-        "1",
-        "2",
-        "--chunks",
-        "2",
-        "--batch-size",
-        "8",
-        "--amoebanet-layers",
-        "3",
-        "--amoebanet-filters",
-        "8",
-        "--image",
-        "8",
-        "--largest-filters",
-        "8",
-        "--largest-image",
-        "8",
-        "--largest-batch",
-        "4",
-        "--largest-chunks",
-        "2",
-        "--max-layers",
-        "12",
-        "--cap-mib",
-        "100000",
+        *(
+            "--device cpu --stages 1 2 --chunks 2 --batch-size 8 --amoebanet-layers 3 --amoebanet-filters 8 "
+            "--image 8 --largest-filters 8 --largest-image 8 --largest-batch 4 --largest-chunks 2 --max-layers 12 "
+            "--cap-mib 100000"
+        ).split(),
     )
     assert {(r["stages"], r["checkpoint"]) for r in result["by_mode"]} == {
         (k, m) for k in (1, 2) for m in ("never", "except_last", "always")

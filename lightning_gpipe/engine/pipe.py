@@ -21,7 +21,7 @@ from lightning_gpipe.engine.lockstep import stray_message_error
 from lightning_gpipe.engine.partition import balance_by_params, stage_bounds, validate_balance
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.stage import StageRunner
-from lightning_gpipe.engine.tied import TiedCopies, find_ties, untie
+from lightning_gpipe.engine.tied import TiedCopies, keep_stage
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 from lightning_gpipe.engine.tracer import Tracer
 
@@ -119,13 +119,7 @@ class GPipe(nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         start, stop = stage_bounds(self.balance)[self.stage]
         self.num_layers = len(module)
-        ties = find_ties(module, self.balance)  # raises if one module object would run on two stages
-        untie(module, ties, self.stage)  # before the move to meta, which must not touch this stage's copies
-        for index, layer in enumerate(module):
-            if start <= index < stop:
-                self.add_module(str(index), layer.to(self.device))
-            else:
-                layer.to("meta")  # frees the memory of other stages' layers, even if the caller keeps references
+        ties = keep_stage(self, module, self.balance, self.stage, self.device)
         self._full = [module]  # in a list, so that it is not a submodule: only the own stage is registered
         self._own_board = board is None
         self.board = board or FailureBoard.for_default_group(self.describe, namespace="lightning_gpipe")

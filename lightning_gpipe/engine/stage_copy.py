@@ -8,7 +8,7 @@ from typing import Any, Callable, NoReturn, Optional
 from torch import Tensor, nn
 
 from lightning_gpipe.engine.partition import stage_bounds, validate_balance
-from lightning_gpipe.engine.tied import Tie, find_ties, untie
+from lightning_gpipe.engine.tied import Tie, keep_stage
 
 __all__ = ["Gather", "StageCopy", "retie"]
 
@@ -54,13 +54,8 @@ class StageCopy(nn.Module):
         self.balance = validate_balance(balance, len(module), len(balance))
         self.stage, self.gather = stage, gather
         start, stop = stage_bounds(self.balance)[stage]
-        self.ties: list[Tie] = find_ties(module, self.balance)
-        untie(module, self.ties, stage)  # as the pipe does: this stage's tied copies stay real, the others go
-        for index, layer in enumerate(module):
-            if start <= index < stop:
-                self.add_module(str(index), layer)  # left on its device: the averaging code places the copy
-            else:
-                layer.to("meta")
+        # cut as the pipe is; the layers stay on their device: the averaging code places the copy
+        self.ties: list[Tie] = keep_stage(self, module, self.balance, stage)
         self._full = [module]  # in a list, so that it is not a submodule: only this stage's layers are registered
         own = {str(i) for i in range(start, stop)}
         #: the other stages' state_dict entries, relative to this module ("3.weight"): a whole state must hold them

@@ -279,3 +279,23 @@ def refuse_ties_outside(module: nn.Module, backbone: nn.Module, prefix: str) -> 
                 f"that tie. Move the layer that uses `{name}` into the `{prefix.rstrip('.')}` Sequential (ties "
                 "between its layers are kept across stages), or give it a parameter of its own."
             )
+
+
+def keep_stage(
+    holder: nn.Module, module: nn.Sequential, balance: list[int], stage: int, device: Optional[torch.device] = None
+) -> list[Tie]:
+    """Register ``stage``'s layers of ``module`` on ``holder`` under their indices, and move the others to ``meta``.
+
+    Tied parameters are untied first, so this stage's copies stay real (:func:`untie`); the ties found are
+    returned. The stage's layers move to ``device`` when it is given. Both ``GPipe`` and a weight average's
+    ``StageCopy`` cut a Sequential this way, so their tensors pair one to one.
+    """
+    start, stop = stage_bounds(balance)[stage]
+    ties = find_ties(module, balance)  # raises if one module object would run on two stages
+    untie(module, ties, stage)  # before the move to meta, which must not touch this stage's copies
+    for index, layer in enumerate(module):
+        if start <= index < stop:
+            holder.add_module(str(index), layer if device is None else layer.to(device))
+        else:
+            layer.to("meta")  # frees the memory of other stages' layers, even if the caller keeps references
+    return ties
