@@ -17,6 +17,7 @@ from lightning_gpipe.engine import (
     grad_norm,
     is_recomputing,
 )
+from lightning_gpipe.engine.skip import Namespace, PopAdd, PopCat, Stash, isolate, pop, skippable, stash
 from lightning_gpipe.monitor.timer import StageTimer
 
 __all__ = [
@@ -24,15 +25,23 @@ __all__ = [
     "GPipe",
     "GPipeStrategy",
     "LayerCosts",
+    "Namespace",
     "PipeLayout",
     "PipelineError",
     "PipelineMonitor",
+    "PopAdd",
+    "PopCat",
+    "Stash",
     "StageTimer",
     "balance",
     "clip_grad_norm_",
     "grad_norm",
     "is_recomputing",
+    "isolate",
+    "pop",
     "profile_layers",
+    "skippable",
+    "stash",
     "__version__",
 ]
 
