@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ class Link:
     def __init__(self, group: dist.ProcessGroup, dst: int, name: str) -> None:
         self.group, self.dst, self.name = group, dst, name
         self._pending: list[tuple[dist.Work, Tensor]] = []
+        self.bytes_sent = 0  # tensor payload so far, headers aside: what a traffic count compares
 
     def send(self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag) -> None:
         """Start sending ``values``; the tensors are kept alive until they are delivered."""
@@ -46,6 +47,7 @@ class Link:
         for value in values:
             if value is not None:
                 self._isend(value.detach().contiguous())
+                self.bytes_sent += value.numel() * value.element_size()
 
     def _isend(self, tensor: Tensor) -> None:
         work = dist.isend(tensor, self.dst, group=self.group)
@@ -144,8 +146,9 @@ class Channels:
     """All links and inboxes of one rank, built collectively by every rank of the job.
 
     The pairs that talk in a pipeline ``s_0 .. s_{K-1}``: neighbours both ways (activations forward,
-    gradients backward), the last stage to every other (the shared output), and the first stage to every
-    other (the gradient of the pipeline input, when it needs one).
+    gradients backward), the last stage to every other (the shared output), the first stage to every
+    other (the gradient of the pipeline input, when it needs one), and both ways between the stages of
+    each ``skips`` pair (stash stage, pop stage), so that a skip passes no stage in between.
     """
 
     def __init__(
@@ -156,6 +159,7 @@ class Channels:
         board: FailureBoard,
         timeout: float,
         backend: Optional[str] = None,
+        skips: Iterable[tuple[int, int]] = (),
     ) -> None:
         self.rank = rank
         self.links: dict[int, Link] = {}
@@ -167,6 +171,8 @@ class Channels:
             for a, b in zip(ranks, ranks[1:]):
                 pairs |= {(a, b), (b, a)}
             pairs |= {(ranks[-1], r) for r in ranks[:-1]} | {(ranks[0], r) for r in ranks[1:]}
+            for a, b in skips:
+                pairs |= {(ranks[a], ranks[b]), (ranks[b], ranks[a])}
         for src, dst in sorted(pairs):  # every rank creates every group, in the same order
             group = new_group([src, dst], backend, _FOREVER)
             if group is None:  # this rank is not one of the pair
@@ -183,6 +189,10 @@ class Channels:
     ) -> None:
         """Start sending ``values`` to rank ``dst``."""
         self.links[dst].send(values, requires_grad, is_tuple, tag)
+
+    def bytes_sent(self) -> dict[int, int]:
+        """Tensor bytes sent so far to each peer rank (headers aside)."""
+        return {dst: link.bytes_sent for dst, link in self.links.items()}
 
     def recv(self, src: int) -> Message:
         """The next message from rank ``src``."""

@@ -20,7 +20,7 @@ __all__ = ["HEADER_LEN", "Message", "Specs", "Tag", "close_header", "decode", "e
 
 HEADER_LEN = 128
 _DATA, _CLOSE = 1, 2
-_KINDS = ("forward", "output", "gradient", "input gradient")
+_KINDS = ("forward", "output", "gradient", "input gradient", "skip", "skip gradient")
 _LABEL_FIELDS = 6  # the hook name, up to 48 ASCII characters in 6 int64 fields
 _FIXED = 6 + _LABEL_FIELDS  # type, tuple flag, kind, call, micro-batch, batch fingerprint, label
 _DTYPES = [

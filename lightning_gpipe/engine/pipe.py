@@ -20,6 +20,7 @@ from lightning_gpipe.engine.failure import FailureBoard, PipelineError
 from lightning_gpipe.engine.lockstep import stray_message_error
 from lightning_gpipe.engine.partition import balance_by_params, stage_bounds, validate_balance
 from lightning_gpipe.engine.replicas import GradientSync
+from lightning_gpipe.engine.skip import SkipRoutes, StageSkips, find_skips
 from lightning_gpipe.engine.stage import StageRunner
 from lightning_gpipe.engine.tied import TiedCopies, keep_stage
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
@@ -115,6 +116,7 @@ class GPipe(nn.Module):
         if balance is None:
             balance = balance_by_params(module, stages)
         self.balance = validate_balance(balance, len(module), stages)
+        self.skips = SkipRoutes(find_skips(module), self.balance)  # checked before any group is made
         self.layout, self.stage = layout, layout.stage_of(rank)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         start, stop = stage_bounds(self.balance)[self.stage]
@@ -134,11 +136,23 @@ class GPipe(nn.Module):
         if self.mesh is not None:
             self.group = self.mesh.get_group("pp") if stages > 1 else None
             self.replica_group = self.mesh.get_group("dp") if layout.num_replicas > 1 else None
-        channels = Channels(layout, rank, self.device, self.board, timeout) if stages > 1 else None
+        channels = (
+            Channels(layout, rank, self.device, self.board, timeout, skips=self.skips.pairs()) if stages > 1 else None
+        )
         if seed is None:
             seed = self.broadcast(torch.initial_seed())
         layers = [(index, module[index]) for index in range(start, stop)]  # a layer placed twice runs twice
-        self.runner = StageRunner(layers, self.stage, self.ranks, channels, chunks, checkpoint, self.device, seed)
+        self.runner = StageRunner(
+            layers,
+            self.stage,
+            self.ranks,
+            channels,
+            chunks,
+            checkpoint,
+            self.device,
+            seed,
+            StageSkips(self.skips, self.stage),
+        )
         self.ties = TiedCopies(module, ties, self.stage, layout, rank, self.device)  # collective with ties
         self.runner.after_drain = self.ties.after_drain
         if self.replica_group is not None:
@@ -297,6 +311,12 @@ class GPipe(nn.Module):
     @tracer.setter
     def tracer(self, tracer: Optional[Tracer]) -> None:
         self.runner.tracer = tracer
+
+    def bytes_sent(self) -> dict[int, int]:
+        """Tensor bytes this stage has sent to each other stage of its pipeline so far (headers aside)."""
+        channels = self.runner.channels
+        sent = channels.bytes_sent() if channels is not None else {}
+        return {self.layout.stage_of(rank): n for rank, n in sent.items() if rank in self.ranks}
 
     def local_layers(self) -> list[tuple[int, nn.Module]]:
         """This stage's ``(index, layer)`` pairs."""

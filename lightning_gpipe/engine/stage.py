@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,8 @@ from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
 from lightning_gpipe.engine.schedule import fill_drain
+from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
+from lightning_gpipe.engine.skip.traffic import Bundles
 from lightning_gpipe.engine.tracer import Tracer, span
 
 __all__ = ["StageRunner"]
@@ -49,6 +52,10 @@ class _Run:
     out_grad: list[bool] = field(default_factory=list)  # whether the next stage sends output grads
     sizes: list[int] = field(default_factory=list)  # micro-batch sizes: min(chunks, batch size) of them
     buffers: list[Optional[dict[int, Tensor]]] = field(default_factory=list)  # checkpointed: written buffers before
+    skips_in: list[Optional[Bundles]] = field(default_factory=list)  # skips received (leaves), by source stage
+    skip_in_grad: list[dict[int, bool]] = field(default_factory=list)  # which sources wait for the skips' gradients
+    skips_out: list[Optional[Bundles]] = field(default_factory=list)  # skips sent, by destination; None: checkpointed
+    skip_out_grad: list[dict[int, bool]] = field(default_factory=list)  # which destinations send gradients back
     input_needs_grad: bool = False
 
 
@@ -69,6 +76,7 @@ class StageRunner:
         checkpoint: str,
         device: torch.device,
         seed: int,
+        skips: Optional[StageSkips] = None,
     ) -> None:
         check_checkpoint_mode(checkpoint)
         microbatch.check_chunks(chunks)
@@ -77,6 +85,7 @@ class StageRunner:
         self.layers, self.stage, self.ranks = layers, stage, ranks
         self.channels, self.chunks, self.checkpoint = channels, chunks, checkpoint
         self.device, self.seed = device, seed
+        self.skips = skips or StageSkips()  # the skip connections to and from other stages
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
@@ -137,13 +146,16 @@ class StageRunner:
 
     # -- forward (fill) ------------------------------------------------------------------------------
 
-    def _run_layers(self, x: Any, call: int, micro: int) -> tuple[tuple[Tensor, ...], bool]:
-        with isolated_rng(self.device):
+    def _run_layers(self, x: Any, call: int, micro: int, received: Bundles) -> tuple[tuple[Tensor, ...], bool, Bundles]:
+        """The stage's layers on one micro-batch: its output, whether that is a tuple, and the skips it sends."""
+        tracker = SkipTracker(self.skips.keyed(received), record=True)
+        with isolated_rng(self.device), use_tracker(tracker):
             for index, layer in self.layers:
                 seed_layer(layer_seed(self.seed, call, micro, index), self.device)
                 x = layer(x)
+        leaving = self.skips.outgoing(tracker, self._describe_layer)
         try:
-            return microbatch.as_tuple(x), not isinstance(x, Tensor)
+            return microbatch.as_tuple(x), not isinstance(x, Tensor), leaving
         except TypeError as error:
             index, layer = self.layers[-1]
             where = "the pipeline's output" if self.is_last else f"the boundary to stage {self.stage + 1}"
@@ -152,12 +164,18 @@ class StageRunner:
                 "Make it return a Tensor or a tuple of Tensors, or move the stage boundary with `balance`."
             ) from None
 
+    def _describe_layer(self, index: int) -> str:
+        return f"Layer {index} ({type(dict(self.layers)[index]).__name__}) on stage {self.stage}"
+
     def _recv(self, src: int, expected: Tag) -> Message:
         """The next message from rank ``src``, which must be ``expected`` (see :mod:`.lockstep`)."""
         assert self.channels is not None
         with self._span("wait", expected.micro):
             message = self.channels.recv(src)
         return check_message(message, expected, self.channels.inboxes[src].name, self.stage)
+
+    def _recv_stage(self, expected: Tag, stage: int) -> Message:
+        return self._recv(self.ranks[stage], expected)
 
     def _send(self, dst: int, values: Any, requires_grad: list[bool], is_tuple: bool, tag: Tag) -> None:
         assert self.channels is not None
@@ -188,29 +206,41 @@ class StageRunner:
                         for v, f in zip(message.tensors(), message.requires_grad)
                     )
                     x = microbatch.from_tuple(values, message.is_tuple)
+                skip_tag = Tag("skip", call, i, run.label, fingerprint)
+                received, skip_in_grad = self.skips.receive(partial(self._recv_stage, skip_tag), train)
                 recompute = train and checkpointed(self.checkpoint, i, count)
                 writes: AbstractContextManager[dict[int, Tensor]] = (
                     self._writes.before() if recompute else nullcontext({})  # what the recompute must replay
                 )
                 with torch.set_grad_enabled(train and not recompute), self._span("forward", i), writes as buffers:
-                    y, is_tuple = self._run_layers(x, call, i)
+                    y, is_tuple, leaving = self._run_layers(x, call, i, received)
                 self._check_batch_dim(y, sizes[i])  # before anything leaves the stage
-                out_flags = [train and t.is_floating_point() and (needs_grad or any(in_flags)) for t in y]
+                for dst, values in leaving.items():
+                    self._check_batch_dim(values, sizes[i], skip_to=dst)
+                grad_flows = train and (needs_grad or any(in_flags) or any(skip_in_grad.values()))
+                out_flags = [grad_flows and t.is_floating_point() for t in y]
+                skip_flags = {dst: [grad_flows and t.is_floating_point() for t in v] for dst, v in leaving.items()}
                 if train:
                     run.inputs.append(x)
                     run.outputs.append(None if recompute else y)
                     run.buffers.append(buffers if recompute else None)
                     run.in_grad.append(any(in_flags))
                     run.out_grad.append(any(out_flags))
+                    run.skips_in.append(received)
+                    run.skip_in_grad.append(skip_in_grad)
+                    run.skips_out.append(None if recompute else leaving)
+                    run.skip_out_grad.append({dst: any(flags) for dst, flags in skip_flags.items()})
                 if self.is_last:
                     outputs.append(tuple(t.detach() for t in y))
                 else:
                     tag = Tag("forward", call, i, run.label, fingerprint)
                     self._send(self.ranks[self.stage + 1], y, out_flags, is_tuple, tag)
+                for dst, values in leaving.items():  # after the activations: the order every receiver expects
+                    self._send(self.ranks[dst], values, skip_flags[dst], True, skip_tag)
         run.sizes = sizes
         return self._share(outputs, is_tuple, Tag("output", call, -1, run.label))
 
-    def _check_batch_dim(self, y: tuple[Tensor, ...], size: int) -> None:
+    def _check_batch_dim(self, y: tuple[Tensor, ...], size: int, skip_to: Optional[int] = None) -> None:
         """Every tensor that leaves the stage has the micro-batch in dim 0 (shapes only: cheap).
 
         The pipeline cuts the batch into micro-batches and joins the outputs along dim 0. A tensor that
@@ -221,6 +251,13 @@ class StageRunner:
             if t.dim() > 0 and t.shape[0] == size:
                 continue
             index, layer = self.layers[-1]
+            if skip_to is not None:
+                raise ValueError(
+                    f"A skip that stage {self.stage} stashes for stage {skip_to} has shape {tuple(t.shape)} for a "
+                    f"micro-batch of {size} samples. A skip between stages travels per micro-batch, so it must keep "
+                    "the batch in dim 0: stash per-sample values, or move the stage boundary with `balance` so that "
+                    "the stash and its pop land on one stage."
+                )
             if self.is_last:
                 where = "as the backbone's output, where the micro-batch outputs are joined along dim 0"
             else:
@@ -258,14 +295,14 @@ class StageRunner:
             parts = [torch.split(g, run.sizes) if g is not None else [None] * count for g in grads]
             last_grads = [tuple(p[i] for p in parts) for i in range(count)]
         input_grads: list[tuple[Optional[Tensor], ...]] = [()] * count
-        recomputed: dict[int, tuple[Tensor, ...]] = {}
+        recomputed: dict[int, tuple[tuple[Tensor, ...], Bundles]] = {}
         for task in fill_drain(count, self.checkpoint)[1]:
             i = task.micro
             if task.kind == "recompute":
-                if run.out_grad[i]:
+                if run.out_grad[i] or any(run.skip_out_grad[i].values()):
                     recomputed[i] = self._recompute(run, i)
                 continue
-            y = recomputed.pop(i) if i in recomputed else run.outputs[i]
+            y, leaving = recomputed.pop(i) if i in recomputed else (run.outputs[i], run.skips_out[i])
             g: tuple[Optional[Tensor], ...] = ()
             if run.out_grad[i]:
                 g = (
@@ -273,10 +310,15 @@ class StageRunner:
                     if self.is_last
                     else self._recv(self.ranks[self.stage + 1], Tag("gradient", run.call, i, run.label)).values
                 )
+            pairs = [(o, d) for o, d in zip(y or (), g) if d is not None and o.requires_grad]
+            for dst, wanted in run.skip_out_grad[i].items():  # the skips' gradients, from the stages of their pops
+                if wanted:
+                    skip_grads = self._recv(self.ranks[dst], Tag("skip gradient", run.call, i, run.label)).values
+                    sent = leaving[dst] if leaving is not None else ()
+                    pairs += [(o, d) for o, d in zip(sent, skip_grads) if d is not None and o.requires_grad]
             if i == 0 and self.grad_sync is not None:  # the last backward: gradients become final in it
                 self.grad_sync.arm()
             with self._span("backward", i):
-                pairs = [(o, d) for o, d in zip(y or (), g) if d is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
                 leaves = microbatch.tensors(run.inputs[i])
@@ -286,23 +328,30 @@ class StageRunner:
             if not self.is_first and run.in_grad[i]:
                 tag = Tag("gradient", run.call, i, run.label)
                 self._send(self.ranks[self.stage - 1], dx, [False] * len(dx), True, tag)
+            received = run.skips_in[i]
+            assert received is not None
+            for src, wanted in run.skip_in_grad[i].items():  # after the input gradient: the order senders expect
+                if wanted:
+                    grads = self.skips.input_grads(received, src)
+                    tag = Tag("skip gradient", run.call, i, run.label)
+                    self._send(self.ranks[src], grads, [False] * len(grads), True, tag)
             input_grads[i] = dx
-            run.inputs[i] = run.outputs[i] = run.buffers[i] = None
+            run.inputs[i] = run.outputs[i] = run.buffers[i] = run.skips_in[i] = run.skips_out[i] = None
         return self._input_grads(run, input_grads)
 
-    def _recompute(self, run: _Run, i: int) -> tuple[Tensor, ...]:
+    def _recompute(self, run: _Run, i: int) -> tuple[tuple[Tensor, ...], Bundles]:
         """Rebuild micro-batch ``i``'s graph: same input, random streams, autocast and written buffers as the forward.
 
         The buffers the forward wrote are put back to their values before it for the recompute, and to their
         current values after it (see :class:`~lightning_gpipe.engine.checkpoint.ForwardWrites`).
         """
         autocast = torch.autocast(self.device.type, dtype=run.autocast[1], enabled=run.autocast[0])
-        buffers = run.buffers[i]
-        assert buffers is not None  # a checkpointed micro-batch's buffers, from the fill
+        buffers, received = run.buffers[i], run.skips_in[i]
+        assert buffers is not None and received is not None  # a checkpointed micro-batch's, from the fill
         with self._span("recompute", i), torch.enable_grad(), autocast, recomputing():
             with self._writes.replayed(buffers):
-                y, _ = self._run_layers(run.inputs[i], run.call, i)
-        return y
+                y, _, leaving = self._run_layers(run.inputs[i], run.call, i, received)
+        return y, leaving
 
     def _input_grads(self, run: _Run, per_micro: list[tuple[Optional[Tensor], ...]]) -> list[Optional[Tensor]]:
         """The first stage joins the input gradients and sends them to every stage (they all share the input)."""

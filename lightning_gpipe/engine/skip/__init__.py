@@ -28,6 +28,7 @@ from lightning_gpipe.engine.skip.declare import Namespace, SkipKey, declared, is
 from lightning_gpipe.engine.skip.layers import PopAdd, PopCat, Stash
 from lightning_gpipe.engine.skip.layout import Route, SkipRoutes, find_skips
 from lightning_gpipe.engine.skip.tracker import SkipTracker, use_tracker
+from lightning_gpipe.engine.skip.traffic import StageSkips
 
 __all__ = [
     "Namespace",
@@ -37,6 +38,7 @@ __all__ = [
     "SkipKey",
     "SkipRoutes",
     "SkipTracker",
+    "StageSkips",
     "Stash",
     "declared",
     "find_skips",

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import threading
-import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, TypeVar
 
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.skip.keys import Namespace, SkipKey
 from lightning_gpipe.engine.skip.tracker import current_tracker
 
 __all__ = ["Namespace", "SkipKey", "declared", "isolate", "pop", "skippable", "stash"]
@@ -24,41 +24,6 @@ __all__ = ["Namespace", "SkipKey", "declared", "isolate", "pop", "skippable", "s
 M = TypeVar("M", bound=nn.Module)
 
 _local = threading.local()  # the skippable modules whose forward is running, innermost last
-
-
-class Namespace:
-    """A scope for skip names, so that one block type can be used many times (see :func:`isolate`).
-
-    Equal namespaces are the same scope; a deep copy or a pickle of a model keeps its namespaces equal
-    to the original's (they compare by a random id, not by object).
-
-    >>> Namespace() == Namespace()
-    False
-    """
-
-    __slots__ = ("id",)
-
-    def __init__(self) -> None:
-        self.id = uuid.uuid4().hex
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Namespace) and other.id == self.id
-
-    def __hash__(self) -> int:
-        return hash(self.id)
-
-    def __repr__(self) -> str:
-        return f"<Namespace {self.id[:8]}>"
-
-    def __getstate__(self) -> str:
-        return self.id
-
-    def __setstate__(self, state: str) -> None:
-        self.id = state
-
-
-#: What a skip is called in one process: the namespaces of its module (outermost first) and its name.
-SkipKey = tuple[tuple[Namespace, ...], str]
 
 
 def _names(kind: str, names: Iterable[str]) -> tuple[str, ...]:
@@ -92,7 +57,7 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[t
             with _running(self):
                 return original(self, *args, **kwargs)
 
-        cls.forward = forward  # type: ignore[method-assign]
+        cls.forward = forward
         cls._skip_stash = stashes  # type: ignore[attr-defined]
         cls._skip_pop = pops  # type: ignore[attr-defined]
         return cls

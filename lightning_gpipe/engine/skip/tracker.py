@@ -5,13 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch  # noqa: F401 (the doctest)
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from lightning_gpipe.engine.skip.declare import SkipKey
+from lightning_gpipe.engine.skip.keys import SkipKey
 
 __all__ = ["SkipTracker", "current_tracker", "use_tracker"]
 

@@ -1,0 +1,150 @@
+"""Models with skip connections across stages, and a worker that trains a list of cases on K stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_gpipe import GPipe, PopCat, Stash, pop, skippable, stash
+from lightning_gpipe.engine.skip import declared
+
+WIDTH = 12
+BATCH = 8
+STEPS = 3
+
+
+@skippable()
+class Mix(nn.Module):
+    """A Linear and tanh that adds the skips it pops and stashes a scaled copy of its output under each name."""
+
+    def __init__(self, width_in: int, stashes=(), pops=(), dropout: float = 0.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width_in, WIDTH)
+        self.dropout = nn.Dropout(dropout)
+        self.stashes, self.pops = list(stashes), list(pops)
+        declared(self, stash=self.stashes, pop=self.pops)
+
+    def forward(self, x):
+        h = torch.tanh(self.dropout(self.linear(x)))
+        for k, name in enumerate(self.pops):
+            h = h + (0.5 + k) * pop(name)
+        for k, name in enumerate(self.stashes):
+            stash(name, h * (1.0 + 0.25 * k))
+        return h
+
+
+def model(dropout: float = 0.0) -> nn.Sequential:
+    """9 layers whose skips span 1, 2 and 3 stages at K = 4 (balance [2, 2, 2, 3]), one stays on its stage
+    (s4), several cross the first boundary in one bundle (s1, s6), and one stashes a stage's input (x)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        Mix(6, stashes=["s3", "s6"]),
+        Mix(WIDTH, stashes=["s1", "s5"], dropout=dropout),
+        Stash("x"),
+        Mix(WIDTH, pops=["s1", "s6"], stashes=["s2"]),
+        Mix(WIDTH, stashes=["s4"], dropout=dropout),
+        Mix(WIDTH, pops=["s4", "s5"]),
+        PopCat("x"),
+        Mix(2 * WIDTH, pops=["s2", "s3"]),
+        nn.Linear(WIDTH, 3),
+    )
+
+
+#: Balances per K; the first of each puts the skips as ``model`` describes, the second is lopsided.
+BALANCES = {1: [[9]], 2: [[4, 5], [1, 8]], 3: [[3, 3, 3], [1, 1, 7]], 4: [[2, 2, 2, 3], [1, 6, 1, 1]]}
+
+
+@dataclass(frozen=True)
+class Case:
+    balance: tuple[int, ...]
+    chunks: int
+    checkpoint: str
+    dropout: float = 0.0
+    unet: bool = False
+
+    @property
+    def name(self) -> str:
+        kind = "unet" if self.unet else "mix"
+        return f"{kind} balance={list(self.balance)} chunks={self.chunks} {self.checkpoint} dropout={self.dropout}"
+
+
+def build(case: Case) -> nn.Sequential:
+    if case.unet:
+        from lightning_gpipe.models import unet
+
+        torch.manual_seed(0)
+        net = unet(depth=2, num_convs=1, base_channels=4, input_channels=1, output_channels=1)
+        for m in net.modules():
+            if isinstance(m, nn.Dropout2d):
+                m.p = case.dropout
+        return net
+    return model(case.dropout)
+
+
+def data(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    if case.unet:
+        return [
+            (
+                torch.randn(BATCH, 1, 9, 11, generator=generator),
+                (torch.rand(BATCH, 1, 9, 11, generator=generator) > 0.5).float(),
+            )
+            for _ in range(STEPS)
+        ]
+    return [
+        (torch.randn(BATCH, 6, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def loss_of(case: Case, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(out, y) if case.unet else F.cross_entropy(out, y)
+
+
+def train(case: Case, net: nn.Module, named: Optional[list[tuple[str, nn.Parameter]]] = None) -> dict[str, Any]:
+    """``STEPS`` of SGD with momentum: the losses, the gradients of step 1 and the weights at the end."""
+    named = named if named is not None else list(net.named_parameters())
+    optimizer = torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
+    losses, grads = [], {}
+    for step, (x, y) in enumerate(data(case)):
+        optimizer.zero_grad()
+        loss = loss_of(case, net(x), y)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "weights": {n: p.detach().clone() for n, p in named}}
+
+
+def reference(case: Case) -> dict[str, Any]:
+    """The same training on one device, without the pipeline (the skips go through the per-thread tracker)."""
+    return train(case, build(case))
+
+
+def pipeline(case: Case) -> dict[str, Any]:
+    pipe = GPipe(build(case), list(case.balance), chunks=case.chunks, checkpoint=case.checkpoint)
+    try:
+        return train(case, pipe)
+    finally:
+        pipe.close()
+
+
+def sweep(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
+    """Every case on ``world_size`` stages; plus the bytes each stage sent in one training step of the first."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {case.name: pipeline(case) for case in cases}
+    first = cases[0]
+    pipe = GPipe(build(first), list(first.balance), chunks=2, checkpoint="never")
+    x, y = data(first)[0]
+    loss_of(first, pipe(x), y).backward()
+    results["bytes_sent"] = pipe.bytes_sent()
+    pipe.close()
+    dist.destroy_process_group()
+    return results

@@ -1,0 +1,77 @@
+"""Skip connections across stages train exactly as on one device, and each skip crosses only its own link."""
+
+from __future__ import annotations
+
+import itertools
+
+import _skip_workers as S
+import pytest
+import torch
+
+from lightning_gpipe.launch import run_ok
+
+MODES = ["always", "except_last", "never"]
+
+
+def cases(stages: int) -> list[S.Case]:
+    """Chunks 1, 3 (does not divide the batch of 8) and 4 x every checkpoint mode, on the skip layout of
+    ``S.model``; the lopsided balance; dropout (compared with pipeline-1, which draws the same masks)."""
+    main, lopsided = (tuple(b) for b in S.BALANCES[stages][:2]) if stages > 1 else ((9,), (9,))
+    found = [S.Case(main, c, m) for c, m in itertools.product([1, 3, 4], MODES)]
+    found += [S.Case(lopsided, 3, m) for m in MODES]
+    found += [S.Case(main, 3, m, dropout=0.3) for m in MODES]
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every rank's results for K = 2, 3, 4: one spawn per K."""
+    return {k: run_ok(S.sweep, k, cases(k), timeout=600) for k in (2, 3, 4)}
+
+
+def _assert_same(rank_results: list[dict], name: str, reference: dict, atol: float = 1e-6) -> None:
+    grads, weights = {}, {}
+    for results in rank_results:
+        got = results[name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), atol=atol, rtol=0)
+        grads.update(got["grads"])
+        weights.update(got["weights"])
+    assert set(weights) == set(reference["weights"])  # every stage's layers, once
+    for key, value in reference["grads"].items():
+        torch.testing.assert_close(grads[key], value, atol=atol, rtol=0, msg=lambda m: f"{name}: grad {key}: {m}")
+    for key, value in reference["weights"].items():
+        torch.testing.assert_close(weights[key], value, atol=atol, rtol=0, msg=lambda m: f"{name}: weight {key}: {m}")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_skips_spanning_one_to_three_stages_match_one_device_in_every_chunks_and_checkpoint_mode(stages, runs):
+    for case in [c for c in cases(stages) if c.dropout == 0]:
+        _assert_same(runs[stages], case.name, S.reference(S.Case((9,), case.chunks, case.checkpoint)))
+
+
+def test_pipeline_1_with_skips_matches_one_device():
+    for case in [c for c in cases(1) if c.dropout == 0]:
+        _assert_same([{case.name: S.pipeline(case)}], case.name, S.reference(case))
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_skips_with_dropout_draw_the_masks_of_pipeline_1(stages, runs):
+    for case in [c for c in cases(stages) if c.dropout > 0]:
+        one = S.Case((9,), case.chunks, case.checkpoint, dropout=case.dropout)
+        _assert_same(runs[stages], case.name, S.pipeline(one))
+        assert S.pipeline(one)["losses"] != S.reference(S.Case((9,), case.chunks, case.checkpoint))["losses"]
+
+
+def test_each_skip_crosses_only_the_link_between_its_stash_and_its_pop(runs):
+    """K = 4, balance [2, 2, 2, 3], one training step of 8 samples: the payload bytes of every link, counted
+    from the model's layout by hand (float32, 12 features an activation or skip, 3 logits)."""
+    act, logits = 8 * S.WIDTH * 4, 8 * 3 * 4
+    expected = {
+        # forward: activation to the next stage, skips straight to the stage of their pop
+        0: {1: act + 2 * act, 2: act, 3: act},  # to 1: activation, s1 and s6; to 2: s5; to 3: s3
+        1: {2: act, 3: 2 * act, 0: act + 2 * act},  # to 3: x and s2; to 0: the input gradient, s1's and s6's
+        2: {3: act, 0: act, 1: act},  # to 0: s5's gradient; to 1: the input gradient
+        3: {0: logits + act, 1: logits + 2 * act, 2: logits + act},  # the shared output, then the skips' gradients
+    }
+    for stage, results in enumerate(runs[4]):
+        assert results["bytes_sent"] == expected[stage], f"stage {stage}"
