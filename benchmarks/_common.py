@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lightning_gpipe import GPipe, balance, profile_layers
 from lightning_gpipe.engine.distributed import default_backend
 from lightning_gpipe.launch import run_ok
-from lightning_gpipe.models import amoebanetd
+from lightning_gpipe.models import amoebanetd, unet
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,12 +47,14 @@ class MeanPoolClassifier(nn.Module):
 
 @dataclass(frozen=True)
 class Workload:
-    """A backbone and its data: ``build()`` gives the Sequential, ``batch(n, device)`` an ``(x, y)`` batch."""
+    """A backbone and its data: ``build()`` gives the Sequential, ``batch(n, device)`` an ``(x, y)`` batch,
+    ``loss(output, y)`` the training loss (cross-entropy on class labels unless the workload says otherwise)."""
 
     name: str
     describe: str
     build: Callable[[], nn.Sequential]
     batch: Callable[[int, torch.device], tuple[Tensor, Tensor]]
+    loss: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy
 
 
 CLASSES = 10
@@ -98,11 +100,32 @@ def transformer_workload(blocks: int = 8, width: int = 128, heads: int = 4, sequ
     )
 
 
+def unet_workload(depth: int = 3, num_convs: int = 2, channels: int = 16, image: int = 32) -> Workload:
+    """torchgpipe's simplified U-Net (``depth``, B = ``num_convs``, C = ``channels``) on ``image``-pixel RGB images,
+    a per-pixel binary mask as the target (BCE): long skip connections from every encoder level to its decoder."""
+
+    def batch(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(n)
+        return (
+            torch.randn(n, 3, image, image, generator=g).to(device),
+            (torch.rand(n, 1, image, image, generator=g) < 0.5).float().to(device),
+        )
+
+    return Workload(
+        "unet",
+        f"U-Net (B={num_convs}, C={channels}), depth {depth}, {image}x{image} images",
+        lambda: unet(depth, num_convs, channels),
+        batch,
+        F.binary_cross_entropy_with_logits,
+    )
+
+
 def workloads(names: Sequence[str], args: argparse.Namespace) -> list[Workload]:
     """The workloads named, at the sizes given by the common arguments."""
     made = {
         "amoebanet": lambda: amoebanet_workload(args.amoebanet_layers, args.amoebanet_filters, args.image),
         "transformer": lambda: transformer_workload(args.blocks, args.width, sequence=args.sequence),
+        "unet": lambda: unet_workload(args.unet_depth, args.unet_convs, args.unet_channels, args.unet_image),
     }
     return [made[n]() for n in names]
 
@@ -114,6 +137,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=8, help="Transformer blocks")
     parser.add_argument("--width", type=int, default=128, help="Transformer width")
     parser.add_argument("--sequence", type=int, default=32, help="Transformer tokens per sample")
+    parser.add_argument("--unet-depth", type=int, default=3, help="U-Net levels")
+    parser.add_argument("--unet-convs", type=int, default=2, help="U-Net B (convolution units per level)")
+    parser.add_argument("--unet-channels", type=int, default=16, help="U-Net C (channels of the top level)")
+    parser.add_argument("--unet-image", type=int, default=32, help="image side for the U-Net")
 
 
 # -- processes, devices, timing ------------------------------------------------------------------------
@@ -212,7 +239,7 @@ def gpipe_step(
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(pipe(x), y).backward()
+        workload.loss(pipe(x), y).backward()
         optimizer.step()
 
     return pipe, step
@@ -304,7 +331,7 @@ def lightning_step_seconds(
 
         def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
             x, y = batch
-            loss = F.cross_entropy(self.backbone(x), y)
+            loss = workload.loss(self.backbone(x), y)
             self.log("train/loss", loss)
             return loss
 

@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py                          # CPU here: K = 1, 2, 4
     python benchmarks/memory.py --cap-mib 512 --stages 1 2 4
+    python benchmarks/memory.py --models unet            # the U-Net: its B (units per level) grows instead of L
 
 Two tables, both from real training steps (Adam, so parameters, gradients and two optimizer states
 per parameter):
@@ -16,6 +17,8 @@ per parameter):
    extrapolates the peak linearly in L, then trains the predicted size and its neighbours until the
    boundary is found: the reported L trained under the cap, and L+3 did not. These models are
    smaller per sample (``--largest-image``, ``--largest-batch``) so that the search stays quick.
+   With ``--models unet`` both tables are the U-Net's, and table 2 grows its convolution units per
+   level B at a fixed C (``--largest-unet-channels``), as torchgpipe's U-Net memory benchmark does.
 
 How memory is read: on a GPU, ``torch.cuda.max_memory_allocated`` after a reset. On the CPU, the
 process's peak resident set size (``VmHWM``), reset through ``/proc/self/clear_refs`` once the
@@ -32,7 +35,8 @@ import argparse
 import ctypes
 import gc
 import os
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import _common as C
 import torch
@@ -112,68 +116,109 @@ def worst_stage(measured: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def by_mode_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+@dataclass(frozen=True)
+class Family:
+    """A model grown along one size for table 2: AmoebaNet-D by its normal cells L (multiples of 3, at width
+    ``--largest-filters``), the U-Net by its convolution units per level B (at ``--largest-unet-channels``)."""
+
+    size: str  # the grown size's key in the rows: "layers" (L) or "convs" (B)
+    label: str  # how the tables name it
+    smallest: int
+    step: int
+    limit: int
+    workload: Callable[[int], C.Workload]
+
+
+def family(model: str, args: argparse.Namespace) -> Family:
+    if model == "unet":
+        return Family(
+            "convs",
+            "B",
+            1,
+            1,
+            args.max_convs,
+            lambda b: C.unet_workload(args.unet_depth, b, args.largest_unet_channels, args.largest_image),
+        )
+    return Family(
+        "layers",
+        "L",
+        3,
+        3,
+        args.max_layers,
+        lambda layers: C.amoebanet_workload(layers, args.largest_filters, args.largest_image),
+    )
+
+
+def by_mode_worker(rank: int, world: int, args: argparse.Namespace, model: str) -> list[dict]:
     device = C.device_for(rank, args.device)
     C.init_group(device)
-    workload = C.amoebanet_workload(args.amoebanet_layers, args.amoebanet_filters, args.image)
+    (workload,) = C.workloads([model], args)
     split = C.pipeline_balance(workload, world, args.batch_size // args.chunks, device, cost="memory")
     stage_peak(workload, args.chunks, "never", args.batch_size, device, split)  # once-per-process runtime state
     rows = []
     for mode in ("never", "except_last", "always"):
         worst = worst_stage(stage_peak(workload, args.chunks, mode, args.batch_size, device, split))
-        rows.append({"stages": world, "checkpoint": mode, "chunks": args.chunks, "balance": split, **worst})
+        rows.append(
+            {"model": model, "stages": world, "checkpoint": mode, "chunks": args.chunks, "balance": split, **worst}
+        )
     return rows
 
 
-def largest_worker(rank: int, world: int, args: argparse.Namespace, chunks: int, checkpoint: str) -> dict:
-    """The most normal cells (a multiple of 3) whose every stage trains under ``--cap-mib``."""
+def largest_worker(rank: int, world: int, args: argparse.Namespace, chunks: int, checkpoint: str, model: str) -> dict:
+    """The largest size of the model's family (see :class:`Family`) whose every stage trains under ``--cap-mib``."""
     device = C.device_for(rank, args.device)
     C.init_group(device)
+    grown = family(model, args)
     cap = args.cap_mib * MIB
     tried: dict[int, dict[str, Any]] = {}
 
-    def attempt(layers: int) -> dict[str, Any]:
-        if layers not in tried:
-            workload = C.amoebanet_workload(layers, args.largest_filters, args.largest_image)
+    def attempt(size: int) -> dict[str, Any]:
+        if size not in tried:
+            workload = grown.workload(size)
             split = C.pipeline_balance(workload, world, args.largest_batch // chunks, device, cost="memory")
-            tried[layers] = worst_stage(stage_peak(workload, chunks, checkpoint, args.largest_batch, device, split))
-            tried[layers].update(layers=layers, fits=tried[layers]["peak"] <= cap)
-        return tried[layers]
+            tried[size] = worst_stage(stage_peak(workload, chunks, checkpoint, args.largest_batch, device, split))
+            tried[size].update({grown.size: size, "fits": tried[size]["peak"] <= cap})
+        return tried[size]
 
-    attempt(3)  # the first training step of a process allocates runtime state once: keep it out of the fit
+    first, second = grown.smallest, grown.smallest + 2 * grown.step
+    attempt(first)  # the first training step of a process allocates runtime state once: keep it out of the fit
     tried.clear()
-    small, larger = attempt(3), attempt(9)
-    per_layer = max((larger["peak"] - small["peak"]) / 6, 1.0)
-    predicted = 3 + (cap - small["peak"]) / per_layer
-    layers = min(max(3, 3 * int(predicted // 3)), args.max_layers)
-    while attempt(layers)["fits"] and layers < args.max_layers:  # walk up to the boundary ...
-        layers += 3
-    while not attempt(layers)["fits"] and layers > 3:  # ... and down to the last size that fits
-        layers -= 3
-    best = attempt(layers)
+    small, larger = attempt(first), attempt(second)
+    per_step = max((larger["peak"] - small["peak"]) / 2, 1.0)  # the peak grows about linearly in the size
+    predicted = first + grown.step * (cap - small["peak"]) / per_step
+    size = min(max(first, first + grown.step * int((predicted - first) // grown.step)), grown.limit)
+    while attempt(size)["fits"] and size < grown.limit:  # walk up to the boundary ...
+        size += grown.step
+    while not attempt(size)["fits"] and size > first:  # ... and down to the last size that fits
+        size -= grown.step
+    best = attempt(size)
     return {
+        "model": model,
         "stages": world,
         "chunks": chunks,
         "checkpoint": checkpoint,
-        "filters": args.largest_filters,
+        "filters": args.largest_unet_channels if model == "unet" else args.largest_filters,
         "best": best if best["fits"] else None,
-        "next": tried.get(layers + 3),
-        "tried": sorted(tried.values(), key=lambda t: t["layers"]),
+        "next": tried.get(size + grown.step),
+        "tried": sorted(tried.values(), key=lambda t: t[grown.size]),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default=C.default_device())
+    parser.add_argument("--models", nargs="+", default=["amoebanet"], choices=["amoebanet", "unet"])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--chunks", type=int, default=8, help="M for the pipelines")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--cap-mib", type=float, default=256.0, help="per-process memory cap for table 2")
-    parser.add_argument("--largest-filters", type=int, default=48, help="D of the models in table 2")
+    parser.add_argument("--largest-filters", type=int, default=48, help="AmoebaNet-D D of the models in table 2")
+    parser.add_argument("--largest-unet-channels", type=int, default=8, help="U-Net C of the models in table 2")
     parser.add_argument("--largest-image", type=int, default=16, help="image side in table 2")
     parser.add_argument("--largest-batch", type=int, default=16, help="batch in table 2")
     parser.add_argument("--largest-chunks", type=int, default=4, help="M of pipeline-K in table 2")
-    parser.add_argument("--max-layers", type=int, default=150, help="stop the search for L here")
+    parser.add_argument("--max-layers", type=int, default=150, help="stop the search for AmoebaNet-D's L here")
+    parser.add_argument("--max-convs", type=int, default=64, help="stop the search for the U-Net's B here")
     parser.add_argument("--out", default=C.default_out("memory"))
     C.add_workload_arguments(parser)
     args = parser.parse_args()
@@ -181,15 +226,34 @@ def main() -> None:
         parser.error(f"--stages {max(args.stages)} needs as many GPUs; this machine has {torch.cuda.device_count()}")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 * 1024))  # the launched processes inherit it
 
-    by_mode = [row for k in args.stages for row in C.launch(by_mode_worker, k, args)[0]]
-    largest = [C.launch(largest_worker, 1, args, 1, "never")[0]]
-    largest += [C.launch(largest_worker, k, args, args.largest_chunks, "always")[0] for k in args.stages]
+    by_mode, largest = [], []
+    for model in args.models:
+        by_mode += [row for k in args.stages for row in C.launch(by_mode_worker, k, args, model)[0]]
+        largest.append(C.launch(largest_worker, 1, args, 1, "never", model)[0])
+        largest += [C.launch(largest_worker, k, args, args.largest_chunks, "always", model)[0] for k in args.stages]
 
     info = C.machine(args.device)
     where = "GPU max allocated" if args.device == "cuda" else "peak resident set above the process baseline"
+    for model in args.models:
+        print_tables(
+            model,
+            [r for r in by_mode if r["model"] == model],
+            [r for r in largest if r["model"] == model],
+            args,
+            where,
+            C.describe_machine(info),
+        )
+    C.write_json(args.out, {"machine": info, "args": vars(args), "by_mode": by_mode, "largest": largest})
+
+
+def print_tables(
+    model: str, by_mode: list[dict], largest: list[dict], args: argparse.Namespace, where: str, machine: str
+) -> None:
+    """Table 1 (peak by checkpoint mode and K) and table 2 (the largest model under the cap) of one model."""
+    (workload,) = C.workloads([model], args)
     print(
-        f"\nPeak memory per stage ({where}), AmoebaNet-D ({args.amoebanet_layers}, {args.amoebanet_filters}), "
-        f"{args.image}x{args.image}, batch {args.batch_size}, M={args.chunks}, Adam\n{C.describe_machine(info)}\n"
+        f"\nPeak memory per stage ({where}), {workload.describe}, batch {args.batch_size}, M={args.chunks}, Adam\n"
+        f"{machine}\n"
     )
     never = {r["stages"]: r["peak"] for r in by_mode if r["checkpoint"] == "never"}
     print(
@@ -207,37 +271,40 @@ def main() -> None:
             ],
         )
     )
+    grown = family(model, args)
+    if model == "unet":
+        name = f"U-Net (B, {args.largest_unet_channels}) of depth {args.unet_depth}"
+        legend = "B: convolution units per level; the next size up (B+1)"
+    else:
+        name = f"AmoebaNet-D (L, {args.largest_filters})"
+        legend = "L: normal cells (a multiple of 3); the next size up (L+3)"
     print(
-        f"\nThe largest AmoebaNet-D (L, {args.largest_filters}) that trains under {args.cap_mib:.0f} MiB per process "
+        f"\nThe largest {name} that trains under {args.cap_mib:.0f} MiB per process "
         f"({args.largest_image}x{args.largest_image}, batch {args.largest_batch}, Adam)\n"
     )
     rows = []
     naive = largest[0]["best"]
     for row in largest:
-        name = "naive-1" if row["chunks"] == 1 else f"pipeline-{row['stages']}"
+        title = "naive-1" if row["chunks"] == 1 else f"pipeline-{row['stages']}"
         best = row["best"]
         if best is None:
-            rows.append([name, row["stages"], row["chunks"], row["checkpoint"], "none fits", "", "", ""])
+            rows.append([title, row["stages"], row["chunks"], row["checkpoint"], "none fits", "", "", ""])
             continue
         rows.append(
             [
-                name,
+                title,
                 row["stages"],
                 row["chunks"],
                 row["checkpoint"],
-                best["layers"],
+                best[grown.size],
                 f"{best['params'] / 1e6:.2f}M",
                 f"{best['peak'] / MIB:.0f}",
                 f"{best['params'] / naive['params']:.2f}x" if naive else "",
             ]
         )
-    print(
-        C.markdown(
-            ["", "K", "M", "checkpoint", "largest L", "parameters", "largest stage MiB", "parameters / naive-1"], rows
-        )
-    )
-    print("\nL: normal cells (a multiple of 3); the next size up (L+3) exceeded the cap or the search limit.")
-    C.write_json(args.out, {"machine": info, "args": vars(args), "by_mode": by_mode, "largest": largest})
+    headers = ["", "K", "M", "checkpoint", f"largest {grown.label}", "parameters", "largest stage MiB"]
+    print(C.markdown([*headers, "parameters / naive-1"], rows))
+    print(f"\n{legend} exceeded the cap or the search limit.")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
     python benchmarks/speed.py                      # K = 1, 2 on CPU here; K = 1, 2, 4, 8 where there are cores or GPUs
     python benchmarks/speed.py --stages 1 2 --chunks 1 4 8 --models transformer
+    python benchmarks/speed.py --stages 1 2 --chunks 1 4 8 --models unet     # skip connections across stages
 
 The shape of GPipe's Table 2, on two backbones: AmoebaNet-D (activation-heavy convolutions on
-32x32 images) and a stack of Transformer blocks. Every cell trains the same model on the same batch
-with the bare engine (``GPipe``; ``overhead.py`` measures the Trainer on top), one process per stage
-with one thread each (so K stages use K cores), an SGD step included, the split by measured time.
+32x32 images) and a stack of Transformer blocks; and, with ``--models unet``, torchgpipe's U-Net,
+whose long skip connections go from each encoder level's stage straight to its decoder level's.
+Every cell trains the same model on the same batch with the bare engine (``GPipe``; ``overhead.py``
+measures the Trainer on top), one process per stage with one thread each (so K stages use K cores),
+an SGD step included, the split by measured time.
 Per K and M it reports:
 
 - speed-up: throughput over that of K=1 with the same M (one process, micro-batching and
@@ -65,7 +68,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", help="K values (default: 1, 2, 4, 8 as cores or GPUs allow)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument(
-        "--models", nargs="+", default=["amoebanet", "transformer"], choices=["amoebanet", "transformer"]
+        "--models", nargs="+", default=["amoebanet", "transformer"], choices=["amoebanet", "transformer", "unet"]
     )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])

@@ -14,7 +14,7 @@ from _scripts import run_script
 
 TINY = (
     "--device cpu --amoebanet-layers 3 --amoebanet-filters 8 --image 8 --blocks 2 --width 16 --sequence 4 "
-    "--batch-size 8 --warmup 0 --steps 1"
+    "--unet-depth 3 --unet-convs 1 --unet-channels 4 --unet-image 16 --batch-size 8 --warmup 0 --steps 1"
 ).split()
 MODELS = ("amoebanet", "transformer")
 
@@ -26,13 +26,17 @@ def _run(tmp_path, script: str, *args: str) -> tuple[str, dict]:
 
 
 def test_speed_has_a_cell_per_model_stage_count_and_micro_batch_count_beside_its_bubble_bound(tmp_path):
-    output, result = _run(tmp_path, "speed", *TINY, "--stages", "1", "2", "--chunks", "1", "4", "--rounds", "1")
+    models = (*MODELS, "unet")  # the U-Net: its skips go from stage to stage
+    output, result = _run(
+        tmp_path, "speed", *TINY, "--stages", "1", "2", "--chunks", "1", "4", "--rounds", "1", "--models", *models
+    )
     cells = {(c["model"], c["stages"], c["chunks"]): c for c in result["cells"]}
-    assert set(cells) == {(m, k, c) for m in MODELS for k in (1, 2) for c in (1, 4)}
+    assert set(cells) == {(m, k, c) for m in models for k in (1, 2) for c in (1, 4)}
     for (model, k, m), cell in cells.items():
         assert cell["bubble_bound"] == pytest.approx(m / (m + k - 1), rel=1e-12)
         assert cell["speedup"] > 0 and math.isclose(cell["efficiency"], cell["speedup"] / k)
-        assert sum(cell["balance"]) == {"amoebanet": 7, "transformer": 3}[model] and len(cell["balance"]) == k
+        assert sum(cell["balance"]) == {"amoebanet": 7, "transformer": 3, "unet": 20}[model]
+        assert len(cell["balance"]) == k
     assert cells[("amoebanet", 1, 1)]["speedup"] == 1.0  # K=1 is the unit
     assert "| M | K=1 samples/s | K=2 speed-up |" in output and "GPipe's measure" in output
 
@@ -75,6 +79,26 @@ def test_memory_reports_every_mode_and_k_and_the_largest_model_under_the_cap(tmp
     assert set(rows) == {(1, 1, "never"), (1, 2, "always"), (2, 2, "always")}  # naive-1, pipeline-1, pipeline-2
     for row in rows.values():  # a cap nothing reaches: the search walks up to its limit, and every try fits
         assert row["best"]["layers"] == 12 and all(t["fits"] for t in row["tried"])
+
+
+def test_memory_grows_the_unets_units_per_level_in_its_search(tmp_path):
+    output, result = _run(
+        tmp_path,
+        "memory",
+        *(
+            "--device cpu --models unet --stages 2 --chunks 2 --batch-size 8 --unet-depth 3 --unet-convs 1 "
+            "--unet-channels 4 --unet-image 16 --largest-unet-channels 4 --largest-image 16 --largest-batch 4 "
+            "--largest-chunks 2 --max-convs 3 --cap-mib 100000"
+        ).split(),
+    )
+    assert {(r["model"], r["stages"], r["checkpoint"]) for r in result["by_mode"]} == {
+        ("unet", 2, m) for m in ("never", "except_last", "always")
+    }
+    rows = {(r["stages"], r["chunks"], r["checkpoint"]): r for r in result["largest"]}
+    assert set(rows) == {(1, 1, "never"), (2, 2, "always")} and {r["model"] for r in rows.values()} == {"unet"}
+    for row in rows.values():  # a cap nothing reaches: B walks up to its limit, and every try fits
+        assert row["best"]["convs"] == 3 and all(t["fits"] for t in row["tried"])
+    assert "largest B" in output and "U-Net (B=1, C=4), depth 3" in output
 
 
 def test_overhead_compares_the_trainer_with_the_bare_engine_per_model(tmp_path):
