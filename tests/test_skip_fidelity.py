@@ -75,3 +75,44 @@ def test_each_skip_crosses_only_the_link_between_its_stash_and_its_pop(runs):
     }
     for stage, results in enumerate(runs[4]):
         assert results["bytes_sent"] == expected[stage], f"stage {stage}"
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    import _skip_lightning as SL
+
+    return run_ok(SL.pipelined, 2, str(tmp_path_factory.mktemp("skips")), timeout=600)
+
+
+def test_skips_with_deferred_batch_norm_the_monitor_and_a_re_partitioned_resume_match_one_device(lightning_runs):
+    import _skip_lightning as SL
+
+    straight = SL.one_device(SL.STEPS)
+    for run in lightning_runs:
+        torch.testing.assert_close(
+            torch.tensor(run["first"]["losses"] + run["resumed"]["losses"]),
+            torch.tensor(straight["losses"]),
+            atol=1e-6,
+            rtol=0,
+        )
+        assert set(run["resumed"]["weights"]) == set(straight["weights"])  # BatchNorm statistics included
+        for key, value in straight["weights"].items():
+            torch.testing.assert_close(
+                run["resumed"]["weights"][key].float(), value.float(), atol=1e-6, rtol=0, msg=key
+            )
+    summary = lightning_runs[0]["monitor"]
+    assert sorted(summary) == [0, 1] and all(summary[s]["forward"] > 0 and summary[s]["backward"] > 0 for s in summary)
+
+
+def test_a_pipeline_checkpoint_with_skips_resumes_on_one_device_as_a_one_device_checkpoint_does(
+    lightning_runs, tmp_path
+):
+    import _skip_lightning as SL
+
+    SL.one_device(SL.FIT_STEPS, save_to=str(tmp_path))
+    own = SL.one_device(SL.STEPS, ckpt_path=str(tmp_path / "skips.ckpt"))
+    resumed = SL.one_device(SL.STEPS, ckpt_path=lightning_runs[0]["checkpoint"])
+    assert len(resumed["losses"]) == SL.STEPS - SL.FIT_STEPS
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(own["losses"]), atol=1e-6, rtol=0)
+    for key, value in own["weights"].items():
+        torch.testing.assert_close(resumed["weights"][key], value, atol=1e-6, rtol=0, msg=key)
