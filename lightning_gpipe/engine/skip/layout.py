@@ -58,11 +58,11 @@ def find_skips(module: nn.Sequential) -> list[Route]:
             names = skip_names(sub)
             if names is None:
                 continue
-            for found, kind, keys in ((stashes, "stash", names[0]), (pops, "pop", names[1])):
+            for found, kind, keys in ((stashes, "stashes", names[0]), (pops, "pops", names[1])):
                 for key in keys:
                     if key in found:
                         raise ValueError(
-                            f"Two {kind}es of the skip {_label(key)}: {_where(module, found[key])} and "
+                            f"Two {kind} of the skip {_label(key)}: {_where(module, found[key])} and "
                             f"{_where(module, index)}. A name is stashed once and popped once per forward; when one "
                             "block is used several times, isolate each use: "
                             "`lightning_gpipe.isolate(block)`."
