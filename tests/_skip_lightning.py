@@ -57,11 +57,24 @@ def pipelined(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     monitor = PipelineMonitor()
     saver = ModelCheckpoint(directory, "skips", every_n_train_steps=FIT_STEPS, save_top_k=-1)  # while the pipe runs
     strategy = GPipeStrategy(chunks=B.CHUNKS, deferred_batch_norm=True, balance=FIT_BALANCE)
-    _, first = fit(strategy, world_size, FIT_STEPS, callbacks=[monitor, saver])
+    trainer, first = fit(strategy, world_size, FIT_STEPS, callbacks=[monitor, saver])
     path = os.path.join(directory, "skips.ckpt")
+    try:  # after the run: the optimizers hold their stages' state only
+        trainer.save_checkpoint(os.path.join(directory, "after.ckpt"))
+        after_fit = "saved"
+    except RuntimeError as error:
+        after_fit = str(error)
+    trainer.save_checkpoint(os.path.join(directory, "weights.ckpt"), weights_only=True)
     strategy = GPipeStrategy(chunks=B.CHUNKS, deferred_batch_norm=True, balance=RESUME_BALANCE)
     _, resumed = fit(strategy, world_size, STEPS, ckpt_path=path)
-    return {"first": first, "resumed": resumed, "monitor": monitor.summary, "checkpoint": path}
+    return {
+        "first": first,
+        "resumed": resumed,
+        "monitor": monitor.summary,
+        "checkpoint": path,
+        "after fit": after_fit,
+        "weights only": os.path.join(directory, "weights.ckpt"),
+    }
 
 
 def one_device(steps: int, ckpt_path: Any = None, save_to: Any = None) -> dict[str, Any]:

@@ -116,3 +116,19 @@ def test_a_pipeline_checkpoint_with_skips_resumes_on_one_device_as_a_one_device_
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(own["losses"]), atol=1e-6, rtol=0)
     for key, value in own["weights"].items():
         torch.testing.assert_close(resumed["weights"][key], value, atol=1e-6, rtol=0, msg=key)
+
+
+def test_a_full_checkpoint_after_the_run_is_refused_on_every_rank_and_weights_only_holds_the_whole_model(
+    lightning_runs,
+):
+    import _skip_lightning as SL
+
+    for run in lightning_runs:
+        assert run["after fit"].startswith("trainer.save_checkpoint() was called after the pipelined run ended")
+        assert "weights_only=True" in run["after fit"]
+    saved = torch.load(lightning_runs[0]["weights only"], weights_only=False)
+    assert "optimizer_states" not in saved
+    straight = SL.one_device(SL.FIT_STEPS)["weights"]
+    assert set(saved["state_dict"]) == set(straight)
+    for key, value in straight.items():
+        torch.testing.assert_close(saved["state_dict"][key], value, atol=1e-6, rtol=0, msg=key)
