@@ -132,3 +132,14 @@ def test_a_full_checkpoint_after_the_run_is_refused_on_every_rank_and_weights_on
     assert set(saved["state_dict"]) == set(straight)
     for key, value in straight.items():
         torch.testing.assert_close(saved["state_dict"][key], value, atol=1e-6, rtol=0, msg=key)
+
+
+def test_skips_in_two_data_parallel_replicas_of_a_two_stage_pipeline_match_one_device(runs):
+    reference = S.replicas_reference()
+    for rank, results in enumerate(runs[4]):
+        got = results["replicas"]
+        assert got and set(got) <= set(reference), f"rank {rank}"
+        for key, value in got.items():
+            torch.testing.assert_close(
+                value, reference[key], atol=1e-6, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}"
+            )
