@@ -129,3 +129,14 @@ def test_profiling_counts_a_skip_in_the_activation_memory_of_its_stash_and_its_p
     assert with_skip.activation_bytes[1] == without.activation_bytes[1] + skip_bytes
     assert with_skip.activation_bytes[4] == without.activation_bytes[4] + skip_bytes
     assert with_skip.activation_bytes[2:4] == without.activation_bytes[2:4]
+
+
+def test_a_skip_without_the_batch_in_dim_0_is_refused_before_it_leaves_its_stage():
+    from lightning_gpipe.engine.stage import StageRunner
+
+    runner = StageRunner([(0, Stash("s"))], 0, [0], None, 2, "never", torch.device("cpu"), 0)
+    runner._check_batch_dim((torch.zeros(4, 3),), 4, skip_to=2)  # per sample: fine
+    with pytest.raises(
+        ValueError, match="A skip that stage 0 stashes for stage 2 has shape \\(3,\\) for a micro-batch of 4"
+    ):
+        runner._check_batch_dim((torch.zeros(3),), 4, skip_to=2)
