@@ -1,10 +1,14 @@
-"""The ``lightning-gpipe`` command: LightningCLI over the image-classification task, pipelined by config.
+"""The ``lightning-gpipe`` command: LightningCLI over the tasks, pipelined by config.
 
     lightning-gpipe fit --config configs/amoebanet_digits.yaml
+    lightning-gpipe fit --config configs/unet_shapes.yaml
 
-``fit`` trains, then tests the trained model (``--test_after_fit false`` skips that). The model is
-:class:`~lightning_gpipe.tasks.AmoebaNetClassifier`, the data :class:`~lightning_gpipe.tasks.ImageDataModule`;
-the data decides the model's ``num_classes`` and ``in_channels``. The configs add
+``fit`` trains, then tests the trained model (``--test_after_fit false`` skips that). A config names
+its model and data classes with ``class_path`` (any LightningModule and LightningDataModule); without
+one they are :class:`~lightning_gpipe.tasks.AmoebaNetClassifier` and
+:class:`~lightning_gpipe.tasks.ImageDataModule`. The data decides the model's ``num_classes`` and
+``in_channels`` where it has them (a data module without ``num_classes``, such as
+:class:`~lightning_gpipe.tasks.ShapesDataModule`, leaves the model's as configured). The configs add
 :class:`~lightning_gpipe.PipelineMonitor`, whose per-stage table closes ``fit``.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 
+import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_gpipe  # noqa: F401  (registers strategy="gpipe")
@@ -24,6 +29,15 @@ class GPipeCLI(LightningCLI):
     """LightningCLI whose ``fit`` also tests, and whose data sets the model's classes and input channels."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The image classification task unless a config names other classes; a config's `model:` without a
+        # class_path gives the default class its arguments (jsonargparse merges them into the default).
+        parser.set_defaults(
+            {
+                "model": {"class_path": f"{AmoebaNetClassifier.__module__}.{AmoebaNetClassifier.__qualname__}"},
+                "data": {"class_path": f"{ImageDataModule.__module__}.{ImageDataModule.__qualname__}"},
+            }
+        )
+        # A link whose source attribute the data lacks is skipped (jsonargparse ignores it for a subclass source).
         parser.link_arguments(
             "data.num_classes",
             "model.init_args.num_classes" if self.subclass_mode_model else "model.num_classes",
@@ -59,7 +73,14 @@ def run(args: ArgsType = None) -> GPipeCLI:
     """Parse ``args`` (by default the command line), then run the subcommand; returns the CLI (its trainer...)."""
     for message, category in LIBRARY_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    return GPipeCLI(AmoebaNetClassifier, ImageDataModule, args=args, save_config_kwargs={"overwrite": True})
+    return GPipeCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+    )
 
 
 def main() -> None:

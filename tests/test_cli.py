@@ -15,7 +15,7 @@ from _scripts import ROOT, run_script
 
 from lightning_gpipe.cli import run
 
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "amoebanet_*.yaml")))  # the U-Net's: tests/test_unet.py
 
 TINY = [  # CPU, one process, FakeData at 64x64, AmoebaNet-D (3, 8), one batch of each split
     "--trainer.accelerator=cpu",

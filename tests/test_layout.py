@@ -18,7 +18,7 @@ LAYERS = {
     "monitor.timeline": {"engine", "monitor.timer"},
     "_subclass": set(),
     "launch": {"engine"},
-    "models": set(),
+    "models": {"engine"},
     "_lightning": {"engine", "_subclass"},
     "strategy": {"refusals", "engine", "balancing", "checkpointing", "_lightning", "_subclass"},
     "monitor.callback": {"engine", "monitor.timer", "monitor.timeline", "_lightning", "strategy"},
