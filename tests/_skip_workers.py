@@ -55,6 +55,11 @@ def model(dropout: float = 0.0) -> nn.Sequential:
     )
 
 
+#: Balances of the 14-layer U-Net (depth 2, one unit a level) per K. Level 0's skip goes from layer 1 to layer 11,
+#: level 1's from 4 to 8: at K = 2 both cross; at K = 3 level 1's stays on stage 1 and level 0's spans 2 stages; at
+#: K = 4 level 0's spans 3 stages and level 1's 1.
+UNET_BALANCES = {1: [14], 2: [7, 7], 3: [4, 5, 5], 4: [3, 4, 4, 3]}
+
 #: Balances per K; the first of each puts the skips as ``model`` describes, the second is lopsided.
 BALANCES = {1: [[9]], 2: [[4, 5], [1, 8]], 3: [[3, 3, 3], [1, 1, 7]], 4: [[2, 2, 2, 3], [1, 6, 1, 1]]}
 
@@ -78,11 +83,7 @@ def build(case: Case) -> nn.Sequential:
         from lightning_gpipe.models import unet
 
         torch.manual_seed(0)
-        net = unet(depth=2, num_convs=1, base_channels=4, input_channels=1, output_channels=1)
-        for m in net.modules():
-            if isinstance(m, nn.Dropout2d):
-                m.p = case.dropout
-        return net
+        return unet(depth=2, num_convs=1, base_channels=4, input_channels=1, output_channels=1, dropout=case.dropout)
     return model(case.dropout)
 
 

@@ -15,11 +15,15 @@ MODES = ["always", "except_last", "never"]
 
 def cases(stages: int) -> list[S.Case]:
     """Chunks 1, 3 (does not divide the batch of 8) and 4 x every checkpoint mode, on the skip layout of
-    ``S.model``; the lopsided balance; dropout (compared with pipeline-1, which draws the same masks)."""
+    ``S.model``; the lopsided balance; dropout (compared with pipeline-1, which draws the same masks); the U-Net
+    (depth 2) with chunks 3 and 4 in every mode, and with its dropout."""
     main, lopsided = (tuple(b) for b in S.BALANCES[stages][:2]) if stages > 1 else ((9,), (9,))
     found = [S.Case(main, c, m) for c, m in itertools.product([1, 3, 4], MODES)]
     found += [S.Case(lopsided, 3, m) for m in MODES]
     found += [S.Case(main, 3, m, dropout=0.3) for m in MODES]
+    unet = tuple(S.UNET_BALANCES[stages])
+    found += [S.Case(unet, c, m, unet=True) for c, m in itertools.product([3, 4], MODES)]
+    found += [S.Case(unet, 3, "except_last", dropout=0.1, unet=True)]
     return found
 
 
@@ -44,12 +48,15 @@ def _assert_same(rank_results: list[dict], name: str, reference: dict, atol: flo
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_skips_spanning_one_to_three_stages_match_one_device_in_every_chunks_and_checkpoint_mode(stages, runs):
+def test_skips_spanning_one_to_three_stages_and_the_unet_match_one_device_in_every_chunks_and_checkpoint_mode(
+    stages, runs
+):
     for case in [c for c in cases(stages) if c.dropout == 0]:
-        _assert_same(runs[stages], case.name, S.reference(S.Case((9,), case.chunks, case.checkpoint)))
+        one = S.Case((14,) if case.unet else (9,), case.chunks, case.checkpoint, unet=case.unet)
+        _assert_same(runs[stages], case.name, S.reference(one))
 
 
-def test_pipeline_1_with_skips_matches_one_device():
+def test_pipeline_1_with_skips_and_the_unet_matches_one_device():
     for case in [c for c in cases(1) if c.dropout == 0]:
         _assert_same([{case.name: S.pipeline(case)}], case.name, S.reference(case))
 
@@ -57,9 +64,13 @@ def test_pipeline_1_with_skips_matches_one_device():
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_skips_with_dropout_draw_the_masks_of_pipeline_1(stages, runs):
     for case in [c for c in cases(stages) if c.dropout > 0]:
-        one = S.Case((9,), case.chunks, case.checkpoint, dropout=case.dropout)
+        whole = (14,) if case.unet else (9,)
+        one = S.Case(whole, case.chunks, case.checkpoint, dropout=case.dropout, unet=case.unet)
         _assert_same(runs[stages], case.name, S.pipeline(one))
-        assert S.pipeline(one)["losses"] != S.reference(S.Case((9,), case.chunks, case.checkpoint))["losses"]
+        assert (
+            S.pipeline(one)["losses"]
+            != S.reference(S.Case(whole, case.chunks, case.checkpoint, unet=case.unet))["losses"]
+        )
 
 
 def test_each_skip_crosses_only_the_link_between_its_stash_and_its_pop(runs):
