@@ -184,6 +184,8 @@ class GPipeStrategy(ParallelStrategy):
         self.layer_costs: Optional[LayerCosts] = None  # what balance="time" or "memory" measured, per layer
         self._board: Optional[FailureBoard] = None
         self._failed = False
+        #: After a pipelined run, each rank's optimizers still hold only their stage's state (see ``optimizer_state``).
+        self._stage_optimizers = False
         self._full_names: list[str] = []  # the model's parameter names in order, before partitioning
         self._layouts: list[optim_state.Layout] = []  # per optimizer: its groups over the whole model
         self._emptied: list[torch.optim.Optimizer] = []  # optimizers given no parameters on this stage
@@ -257,7 +259,7 @@ class GPipeStrategy(ParallelStrategy):
         if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
             self._mesh = make_mesh(self.layout, self.root_device)
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
-        self._failed = False
+        self._failed = self._stage_optimizers = False
         if self.world_size > 1:
             self._board.start(self.watchdog_grace, self.failure_timeout)
 
@@ -693,6 +695,14 @@ class GPipeStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state for the whole model, numbered as on one device, on the first stage; collective."""
         optimizer = _unwrap(optimizer)
+        if self.pipe is None and self._stage_optimizers:
+            raise RuntimeError(
+                "trainer.save_checkpoint() was called after the pipelined run ended: the backbone is whole again, but "
+                "each rank's optimizer holds only its own stage's state, and the stages no longer run to gather it. "
+                "Save while the run is under way (a ModelCheckpoint callback, or trainer.save_checkpoint in a hook "
+                "such as on_train_end), or save the weights alone now: "
+                "trainer.save_checkpoint(path, weights_only=True)."
+            )
         if self.pipe is None or self.lightning_module is None or self.failed:
             return optimizer.state_dict()
         named = optim_state.named_state(optimizer, self.lightning_module)
@@ -913,6 +923,7 @@ class GPipeStrategy(ParallelStrategy):
                 for copy_owner, copy_name, cut in self._copies:  # the weight averages, whole on every rank too
                     setattr(copy_owner, copy_name, model_state.reassemble_copy(cut))
                 setattr(owner, name, model_state.reassemble(self.pipe))
+            self._stage_optimizers = self.layout.pipe_size > 1
             self.pipe.close()
         self._copies = []
         self.pipe = None

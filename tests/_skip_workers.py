@@ -55,6 +55,11 @@ def model(dropout: float = 0.0) -> nn.Sequential:
     )
 
 
+#: Balances of the 14-layer U-Net (depth 2, one unit a level) per K. Level 0's skip goes from layer 1 to layer 11,
+#: level 1's from 4 to 8: at K = 2 both cross; at K = 3 level 1's stays on stage 1 and level 0's spans 2 stages; at
+#: K = 4 level 0's spans 3 stages and level 1's 1.
+UNET_BALANCES = {1: [14], 2: [7, 7], 3: [4, 5, 5], 4: [3, 4, 4, 3]}
+
 #: Balances per K; the first of each puts the skips as ``model`` describes, the second is lopsided.
 BALANCES = {1: [[9]], 2: [[4, 5], [1, 8]], 3: [[3, 3, 3], [1, 1, 7]], 4: [[2, 2, 2, 3], [1, 6, 1, 1]]}
 
@@ -78,11 +83,7 @@ def build(case: Case) -> nn.Sequential:
         from lightning_gpipe.models import unet
 
         torch.manual_seed(0)
-        net = unet(depth=2, num_convs=1, base_channels=4, input_channels=1, output_channels=1)
-        for m in net.modules():
-            if isinstance(m, nn.Dropout2d):
-                m.p = case.dropout
-        return net
+        return unet(depth=2, num_convs=1, base_channels=4, input_channels=1, output_channels=1, dropout=case.dropout)
     return model(case.dropout)
 
 
@@ -135,6 +136,44 @@ def pipeline(case: Case) -> dict[str, Any]:
         pipe.close()
 
 
+def replicas(rank: int) -> dict[str, Any]:
+    """``STEPS`` on ``PipeLayout(4, 2)``: replica ``rank // 2`` trains on its half of every batch of 16."""
+    from lightning_gpipe import PipeLayout
+
+    case = Case((4, 5), 3, "except_last")
+    pipe = GPipe(build(case), [4, 5], chunks=3, checkpoint="except_last", layout=PipeLayout(4, 2))
+    half = slice(0, BATCH) if rank < 2 else slice(BATCH, 2 * BATCH)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for x, y in double_data():
+        optimizer.zero_grad()
+        loss_of(case, pipe(x[half]), y[half]).backward()
+        pipe.sync_gradients()
+        optimizer.step()
+    weights = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    pipe.close()
+    return weights
+
+
+def double_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(2 * BATCH, 6, generator=generator), torch.randint(0, 3, (2 * BATCH,), generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def replicas_reference() -> dict[str, torch.Tensor]:
+    """The same steps on one device, on the whole batches of 16."""
+    case = Case((9,), 1, "never")
+    net = build(case)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in double_data():
+        optimizer.zero_grad()
+        loss_of(case, net(x), y).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
 def sweep(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
     """Every case on ``world_size`` stages; plus the bytes each stage sent in one training step of the first."""
     torch.set_num_threads(1)
@@ -146,5 +185,7 @@ def sweep(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
     loss_of(first, pipe(x), y).backward()
     results["bytes_sent"] = pipe.bytes_sent()
     pipe.close()
+    if world_size == 4:  # two data-parallel replicas of a 2-stage pipeline, each on its half of a batch of 16
+        results["replicas"] = replicas(rank)
     dist.destroy_process_group()
     return results

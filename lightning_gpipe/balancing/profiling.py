@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.rng import isolated_rng
+from lightning_gpipe.engine.skip import SkipKey, SkipTracker, find_skips, use_tracker
 
 __all__ = ["COST_KINDS", "LayerCosts", "profile_layers", "state_bytes"]
 
@@ -87,6 +88,10 @@ def profile_layers(
     its forward plus backward and moved back: the first sweep counts the saved activations and
     warms up, the median of the others is the time. ``context`` wraps each forward (an autocast,
     for mixed precision). A layer that fails raises ``RuntimeError`` naming its index and type.
+
+    Skip connections (:mod:`lightning_gpipe.engine.skip`) count where the pipeline holds them: a skip's
+    bytes are activation memory of the layer that stashes it (kept for its backward) and of the layer
+    that pops it (the received tensor), and their gradients are part of both layers' backward times.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"profile_layers measures an nn.Sequential, got {type(module).__name__}.")
@@ -95,15 +100,21 @@ def profile_layers(
     device = torch.device(device) if device is not None else torch.device("cpu")
     times: list[list[float]] = [[] for _ in module]
     activations = [0] * len(module)
+    pops = {route.key: route.pop_layer for route in find_skips(module) if route.pop_layer != route.stash_layer}
     # Whole sweeps, not repeats of one layer in a row: each layer then meets the caches and the
     # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
     with isolated_rng(device), torch.enable_grad():
         for sweep in range(1 + repeats):
             x = microbatch.map_tensors(lambda t: t.detach().to(device).requires_grad_(t.requires_grad), sample)
             input_saved = [False] * len(microbatch.tensors(x))  # which inputs the layer before saved (and counted)
+            waiting: dict[SkipKey, Tensor] = {}  # skips stashed by earlier layers, as fresh leaves
             for index, layer in enumerate(module):
                 try:
-                    x, seconds, activation, input_saved = _profile_layer(layer, x, input_saved, device, context)
+                    received = {k: waiting.pop(k) for k, at in pops.items() if at == index and k in waiting}
+                    x, seconds, activation, input_saved, leaving = _profile_layer(
+                        layer, x, input_saved, device, context, received, set(pops)
+                    )
+                    waiting.update({k: t.detach().requires_grad_(t.requires_grad) for k, t in leaving.items()})
                 except Exception as error:
                     raise RuntimeError(
                         f"Profiling layer {index} ({type(layer).__name__}) of the backbone failed with "
@@ -133,9 +144,20 @@ def _storage(t: Tensor) -> tuple[int, int]:
 
 
 def _profile_layer(
-    layer: nn.Module, x: Any, input_saved: list[bool], device: torch.device, context: Callable[[], ContextManager[Any]]
-) -> tuple[Any, float, int, list[bool]]:
-    """One forward and backward of one layer on ``device``: (its output, seconds, activation bytes, saved outputs)."""
+    layer: nn.Module,
+    x: Any,
+    input_saved: list[bool],
+    device: torch.device,
+    context: Callable[[], ContextManager[Any]],
+    received: dict[SkipKey, Tensor],
+    crossing: set[SkipKey],
+) -> tuple[Any, float, int, list[bool], dict[SkipKey, Tensor]]:
+    """One forward and backward of one layer on ``device``.
+
+    Returns its output, seconds, activation bytes, which outputs it saved, and the skips it stashed for
+    later layers (``crossing`` names the skips whose pop is in another layer; ``received`` are the skips
+    this layer pops, from earlier layers).
+    """
     home = _device_of(layer)
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
     layer.to(device)
@@ -152,11 +174,16 @@ def _profile_layer(
 
         _synchronize(device)
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = _forward_backward(layer, x, context)
+        tracker = SkipTracker(received, record=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), use_tracker(tracker):
+            y, leaving = _forward_backward(layer, x, context, tracker, received, crossing)
         _synchronize(device)
         seconds = time.perf_counter() - start
         outputs_saved = [_storage(t)[0] in saved for t in microbatch.as_tuple(y)]
+        for t in [*received.values(), *leaving.values()]:  # held from the stash to the backward, saved or not
+            pointer, size = _storage(t)
+            if pointer not in counted:
+                saved[pointer] = size
     finally:
         with torch.no_grad():
             for buffer, value in buffers:
@@ -164,18 +191,27 @@ def _profile_layer(
         if home is not None:
             layer.to(home)
     y = microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), y)
-    return y, seconds, sum(saved.values()), outputs_saved
+    return y, seconds, sum(saved.values()), outputs_saved, leaving
 
 
-def _forward_backward(layer: nn.Module, x: Any, context: Callable[[], ContextManager[Any]]) -> Any:
+def _forward_backward(
+    layer: nn.Module,
+    x: Any,
+    context: Callable[[], ContextManager[Any]],
+    tracker: SkipTracker,
+    received: dict[SkipKey, Tensor],
+    crossing: set[SkipKey],
+) -> tuple[Any, dict[SkipKey, Tensor]]:
     # torch.autograd.grad, not backward(): the parameters' .grad must stay as it was.
     with context():
         y = layer(x)
-    outputs = [t for t in microbatch.as_tuple(y) if t.requires_grad]
-    wrt = [t for t in microbatch.tensors(x) if t.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
+    leaving = {k: t for k, t in tracker.stashed.items() if k in crossing}
+    outputs = [t for t in [*microbatch.as_tuple(y), *leaving.values()] if t.requires_grad]
+    inputs = [*microbatch.tensors(x), *received.values()]
+    wrt = [t for t in inputs if t.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
     if outputs and wrt:
         torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
-    return y
+    return y, leaving
 
 
 def _synchronize(device: torch.device) -> None:

@@ -58,14 +58,14 @@ def find_skips(module: nn.Sequential) -> list[Route]:
             names = skip_names(sub)
             if names is None:
                 continue
-            for found, kind, keys in ((stashes, "stash", names[0]), (pops, "pop", names[1])):
+            for found, kind, keys in ((stashes, "stashes", names[0]), (pops, "pops", names[1])):
                 for key in keys:
                     if key in found:
                         raise ValueError(
-                            f"Two {kind}es of the skip {_label(key)}: {_where(module, found[key])} and "
-                            f"{_where(module, index)}. A name is stashed once and popped once per forward; when one "
-                            "block is used several times, isolate each use: "
-                            "`lightning_gpipe.isolate(block)`."
+                            f"Two {kind} of the skip {_label(key)}: {_where(module, found[key])} and "
+                            f"{_where(module, index)}. A name is stashed once and popped once per forward. When one "
+                            "block is used several times, isolate each use: `lightning_gpipe.isolate(block)`; when "
+                            "several layers need one tensor, the layer that pops it stashes it again under a new name."
                         )
                     found[key] = index
     for key, index in pops.items():
