@@ -139,3 +139,15 @@ def test_a_pipeline_of_one_stage_iterates_like_its_sequential():
     sequential = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
     layers = list(sequential)
     assert list(GPipe(sequential)) == layers and len(GPipe(nn.Sequential(nn.Tanh(), nn.ReLU()))) == 2
+
+
+def test_the_watchdog_check_of_a_pipe_still_being_built_finds_nothing_instead_of_killing_the_watchdog():
+    # GPipe.__init__ starts its failure board's watchdog before the stage runner exists; the watchdog's
+    # check must not raise then (an AttributeError ended the watchdog thread, and with it failure detection).
+    from torch import nn
+
+    from lightning_gpipe import GPipe
+
+    half_built = GPipe.__new__(GPipe)
+    nn.Module.__init__(half_built)
+    assert half_built.idle_stray(0.0) is None

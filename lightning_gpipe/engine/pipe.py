@@ -221,8 +221,9 @@ class GPipe(nn.Module):
         merely slow outside the pipeline for that long is taken as out of step too, so ``older_than`` is
         generous (the strategy's ``failure_timeout``).
         """
-        channels = self.runner.channels
-        if channels is None or self.runner.open_calls:
+        runner = getattr(self, "runner", None)  # the board starts watching before the runner is built
+        channels = runner.channels if runner is not None else None
+        if channels is None or runner is None or runner.open_calls:
             return None
         stray = channels.stray(older_than)
         if stray is None:
