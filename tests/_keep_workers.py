@@ -1,4 +1,4 @@
-"""Workers for checkpointing by count: Lightning fits with ``checkpoint="keep:N"`` on K processes, and the recomputes."""
+"""Workers for checkpointing by count: Lightning fits with ``checkpoint="keep:N"`` on K processes; the recomputes."""
 
 from __future__ import annotations
 
@@ -59,4 +59,3 @@ def recomputed_micro_batches() -> list[int]:
     pipe(torch.randn(8, M.FEATURES)).sum().backward()
     pipe.close()
     return tracer.micro
-

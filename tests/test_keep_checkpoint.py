@@ -1,9 +1,8 @@
-"""Checkpointing by count (``checkpoint="keep:N"``): the engine recomputes all but the last N, and training matches one device."""
+"""Checkpointing by count (``checkpoint="keep:N"``): all but the last N recomputed; training matches one device."""
 
 from __future__ import annotations
 
 import _keep_workers
-import _sweeps
 import pytest
 from test_fidelity import assert_same_training
 
