@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, Callable, ContextManager, Union
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_gpipe.balancing.plan.costs import CostModel
 from lightning_gpipe.balancing.profiling import profile_layers
@@ -46,8 +47,13 @@ def profile_for_plan(
     wanted = sorted({min(int(s), available) for s in sizes})
     profiles = []
     for size in wanted:
-        part = microbatch.map_tensors(lambda t, n=size: t[:n].detach().clone().requires_grad_(t.requires_grad), sample)
+        part = microbatch.map_tensors(partial(_first, size), sample)
         profiles.append(
             profile_layers(module, part, device, repeats=repeats, optimizer_states=optimizer_states, context=context)
         )
     return CostModel(profiles)
+
+
+def _first(size: int, t: Tensor) -> Tensor:
+    """The first ``size`` samples as a fresh tensor: its memory counts at the micro-batch's size."""
+    return t[:size].detach().clone().requires_grad_(t.requires_grad)
