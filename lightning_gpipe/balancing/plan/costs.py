@@ -118,7 +118,8 @@ class CostModel:
         output = part[-1].output_bytes
         activations = sum(r.activation_bytes for r in part)
         kept = activations - part[0].input_counted + received + output - part[-1].output_counted
-        biggest = max(max(r.output_bytes for r in part), received)
+        # A layer's backward holds gradients of about what its forward saved, besides the one flowing through.
+        working = max(max(r.activation_bytes + r.output_bytes for r in part), 2 * received)
         forward = sum(r.forward for r in part)
         return StageCost(
             forward=forward,
@@ -127,5 +128,5 @@ class CostModel:
             kept=int(kept),
             input=int(received),
             output=int(output),
-            working=int(2 * biggest),
+            working=int(working),
         )
