@@ -128,6 +128,8 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
     torch.set_num_threads(options.threads)  # more threads than cores, over K processes, would time contention
     for message, category in LIBRARY_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    # the command line is ours (plan's), not LightningCLI's: it parses the config only
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
     cli = GPipeCLI(
         AmoebaNetClassifier,
         ImageDataModule,
