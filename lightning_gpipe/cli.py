@@ -2,6 +2,11 @@
 
     lightning-gpipe fit --config configs/amoebanet_digits.yaml
     lightning-gpipe fit --config configs/unet_shapes.yaml
+    lightning-gpipe plan --config configs/amoebanet_digits.yaml --devices 1 2 4 8 --memory 16GiB
+
+``plan`` trains nothing: it builds the config's model and data, profiles the backbone here on the first
+training batch, and prints the planner's predictions (samples/s, bubble, peak memory per device) for
+each device count, chunks and checkpoint mode, the choice marked; ``--out`` writes them as JSON.
 
 ``fit`` trains, then tests the trained model (``--test_after_fit false`` skips that). A config names
 its model and data classes with ``class_path`` (any LightningModule and LightningDataModule); without
@@ -14,15 +19,30 @@ one they are :class:`~lightning_gpipe.tasks.AmoebaNetClassifier` and
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+import sys
 import warnings
+from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_gpipe  # noqa: F401  (registers strategy="gpipe")
+from lightning_gpipe.balancing import backbone_sample
+from lightning_gpipe.balancing.plan import (
+    LinkModel,
+    chunk_grid,
+    micro_batch_sizes,
+    plan,
+    plan_table,
+    profile_for_plan,
+)
+from lightning_gpipe.engine import microbatch
 from lightning_gpipe.tasks import AmoebaNetClassifier, ImageDataModule
 
-__all__ = ["GPipeCLI", "main", "run"]
+__all__ = ["GPipeCLI", "main", "plan_command", "run"]
 
 
 class GPipeCLI(LightningCLI):
@@ -83,9 +103,124 @@ def run(args: ArgsType = None) -> GPipeCLI:
     )
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> float:
+    """``"16GiB"``, ``"512MB"``, ``"1e9"``: a number of bytes.
+
+    >>> parse_bytes("16GiB"), parse_bytes("1.5kb"), parse_bytes("100")
+    (17179869184.0, 1500.0, 100.0)
+    """
+    found = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
+    unit = found.group(2).lower() if found else ""
+    if found is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write a number and B, KB, MB, GB, KiB, MiB or GiB.")
+    return float(found.group(1)) * _UNITS[unit]
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-gpipe plan",
+        description="Predict step time, bubble and peak memory per device for K devices, M micro-batches and each "
+        "checkpoint mode, from a profile of the config's backbone on this machine; mark the fastest that fits.",
+    )
+    parser.add_argument("--config", required=True, help="a `lightning-gpipe fit` config (YAML)")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8], help="the K to plan for")
+    parser.add_argument("--chunks", type=int, nargs="+", help="the M to try (default: powers of 2 to the batch size)")
+    parser.add_argument("--memory", type=parse_bytes, help="memory per device, e.g. 16GiB (default: no cap)")
+    parser.add_argument("--bandwidth", type=parse_bytes, help="bytes per second between stages (default: unlimited)")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages")
+    parser.add_argument("--device", default="cpu", help="where to profile the layers (cpu, cuda)")
+    parser.add_argument("--repeats", type=int, default=5, help="profiling sweeps per micro-batch size")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads while profiling: a stage's share of the cores (default 1)"
+    )
+    parser.add_argument("--rows", type=int, default=8, help="rows of each K's table (fastest first)")
+    parser.add_argument("--out", help="write every prediction here as JSON")
+    return parser
+
+
+def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
+    """``lightning-gpipe plan``: see the module's docstring. Returns what ``--out`` writes."""
+    import torch
+
+    options = _plan_parser().parse_args(args)
+    torch.set_num_threads(options.threads)  # more threads than cores, over K processes, would time contention
+    for message, category in LIBRARY_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    # the command line is ours (plan's), not LightningCLI's: it parses the config only
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
+    cli = GPipeCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=["--config", options.config, "--trainer.devices", "1", "--trainer.logger", "false"],
+        run=False,
+        save_config_callback=None,
+    )
+    module, data = cli.model, cli.datamodule
+    strategy = cli.trainer.strategy
+    name = getattr(strategy, "backbone", "backbone")
+    data.prepare_data()
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    backbone = module.get_submodule(name)
+    sample, _ = backbone_sample(module, backbone, name, 1, (batch, "training_step", "train dataloader"))
+    batch_size = microbatch.batch_size(sample)
+    grid = options.chunks or chunk_grid(batch_size)
+    model = profile_for_plan(
+        backbone, sample, micro_batch_sizes(batch_size, grid), torch.device(options.device), repeats=options.repeats
+    )
+    link = LinkModel(bandwidth=options.bandwidth or float("inf"), latency=options.latency)
+    report: dict[str, Any] = {"config": options.config, "batch_size": batch_size, "memory": options.memory}
+    report["link"] = {"bandwidth": link.bandwidth, "latency": link.latency}
+    report["plans"] = []
+    for stages in options.devices:
+        if stages > len(model):
+            print(f"K={stages}: skipped, the backbone has only {len(model)} layers", flush=True)
+            continue
+        result = plan(model, stages, batch_size, link, max_memory=options.memory, chunks=grid)
+        choice = result.choice if result.fitting else None
+        print(f"\nK={stages} (a batch of {batch_size}):\n{plan_table(result, options.rows)}", flush=True)
+        report["plans"].append(
+            {
+                "stages": stages,
+                "choice": None if choice is None else _row(choice),
+                "candidates": [{**_row(c), "fits": result.fits(c)} for c in result.candidates],
+            }
+        )
+    if options.out:
+        with open(options.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {options.out}")
+    return report
+
+
+def _row(candidate: Any) -> dict[str, Any]:
+    p = candidate.prediction
+    return {
+        "chunks": candidate.chunks,
+        "checkpoint": candidate.checkpoint,
+        "balance": list(candidate.balance),
+        "step_s": p.step,
+        "samples_per_s": candidate.samples_per_second,
+        "bubble": p.bubble,
+        "peak_memory_bytes": p.peak_memory,
+        "stages": [
+            {"busy_s": s.busy, "idle_s": s.idle, "utilization": s.utilization, "peak_memory_bytes": s.peak_memory}
+            for s in p.stages
+        ],
+    }
+
+
 def main() -> None:
-    """The ``lightning-gpipe`` console script."""
-    run()
+    """The ``lightning-gpipe`` console script: ``plan`` here, every other subcommand LightningCLI's."""
+    if sys.argv[1:2] == ["plan"]:
+        plan_command(sys.argv[2:])
+    else:
+        run()
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ from lightning_gpipe._lightning import (
     with_finetuning_group_names,
 )
 from lightning_gpipe._subclass import copy_as
+from lightning_gpipe.balancing.plan.auto import AUTO, AutoChoice, choose
+from lightning_gpipe.balancing.plan.link import LinkModel, measure_link
 from lightning_gpipe.balancing.profiling import COST_KINDS, LayerCosts, profile_layers
 from lightning_gpipe.balancing.sample import backbone_sample
 from lightning_gpipe.checkpointing import model_state, optim_state
@@ -99,14 +101,22 @@ class GPipeStrategy(ParallelStrategy):
             ``"time"`` and ``"memory"`` profile the layers one at a time on global rank 0, on one
             micro-batch of the first batch of the dataloader (run through ``training_step`` up to the
             backbone), or of ``example_input_array`` (run through ``forward``) when that fails; the
-            split is broadcast to every rank. The chosen split is logged on rank 0.
+            split is broadcast to every rank. The chosen split is logged on rank 0. ``"auto"``: the
+            split the planner predicts fastest (see ``chunks="auto"``).
         chunks: micro-batches per batch (``M``); a batch of fewer samples (a short last batch, a
             validation batch of 1) gets one micro-batch per sample. Results do not depend on the number
             of stages; with random layers (dropout) they do depend on ``chunks``, which keys the random
             streams. With BatchNorm in the backbone and ``chunks > 1``, setup warns (see
-            ``deferred_batch_norm``).
-        checkpoint: ``"except_last"`` (default), ``"always"`` or ``"never"``: which micro-batches drop
-            their activations in the forward and recompute them in the backward.
+            ``deferred_batch_norm``). ``"auto"``: the planner (:mod:`lightning_gpipe.balancing.plan`)
+            profiles the backbone on rank 0 at every micro-batch size it weighs (1 to the batch size,
+            powers of two), replays a step for each candidate and takes the fastest predicted that fits
+            in ``max_memory``; the choice and the runner-up are logged on rank 0, with the time it took.
+        checkpoint: ``"except_last"`` (default), ``"always"``, ``"never"`` or ``"keep:N"`` (keep the
+            activations of the last ``N`` micro-batches, recompute the others): which micro-batches drop
+            their activations in the forward and recompute them in the backward. ``"auto"``: the
+            planner's choice, as for ``chunks``.
+        max_memory: bytes per device the ``"auto"`` choices must fit in; by default a CUDA device's
+            total memory, and no cap on the CPU.
         backbone: the attribute (a dotted path is allowed) that holds the Sequential.
         pipe_size: stages per pipeline; the default is every device of a node. With fewer, the
             processes form ``world_size // pipe_size`` data-parallel replicas of the pipeline.
@@ -132,9 +142,10 @@ class GPipeStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        balance: Union[Sequence[int], Literal["params", "time", "memory"]] = "params",
-        chunks: int = 4,
+        balance: Union[Sequence[int], Literal["params", "time", "memory", "auto"]] = "params",
+        chunks: Union[int, Literal["auto"]] = 4,
         checkpoint: str = "except_last",
+        max_memory: Optional[float] = None,
         backbone: str = "backbone",
         pipe_size: Optional[int] = None,
         seed: Optional[int] = None,
@@ -159,19 +170,30 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if isinstance(balance, str) and balance not in COST_KINDS:
+        if isinstance(balance, str) and balance not in (*COST_KINDS, AUTO):
             raise ValueError(
-                f"`balance` must be a list of layers per stage or 'params', 'time' or 'memory', got {balance!r}."
+                "`balance` must be a list of layers per stage or 'params', 'time', 'memory' or 'auto', "
+                f"got {balance!r}."
             )
-        microbatch.check_chunks(chunks)
-        check_checkpoint_mode(checkpoint)
+        if chunks != AUTO:
+            microbatch.check_chunks(chunks)
+        if checkpoint != AUTO:
+            check_checkpoint_mode(checkpoint)
+        if max_memory is not None and not max_memory > 0:
+            raise ValueError(f"`max_memory` must be a positive number of bytes per device, got {max_memory!r}.")
+        #: What the user asked for; ``chunks``, ``checkpoint`` and ``balance`` hold what runs (the plan's, if "auto").
+        self.requested = (balance, chunks, checkpoint)
+        self.max_memory = max_memory
+        self.auto_choice: Optional[AutoChoice] = None
         if not isinstance(backbone, str) or not backbone:
             raise ValueError(f"`backbone` must name the attribute that holds the nn.Sequential, got {backbone!r}.")
         if pipe_size is not None and (not isinstance(pipe_size, int) or pipe_size < 1):
             raise ValueError(f"`pipe_size` must be a positive integer, got {pipe_size!r}.")
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"`state_dict_type` must be 'full' or 'sharded', got {state_dict_type!r}.")
-        self.balance, self.chunks, self.checkpoint, self.backbone = balance, chunks, checkpoint, backbone
+        self.balance, self.backbone = balance, backbone
+        self.chunks: int = chunks if isinstance(chunks, int) else 1  # "auto": set by the plan at setup
+        self.checkpoint: str = checkpoint if checkpoint != AUTO else "except_last"
         self._pipe_size, self.seed, self.timeout = pipe_size, seed, timeout
         self._start_method, self.watchdog_grace = start_method, watchdog_grace
         self.failure_timeout, self.state_dict_type = failure_timeout, state_dict_type
@@ -316,7 +338,8 @@ class GPipeStrategy(ParallelStrategy):
                 f"The pipeline has {layout.pipe_size} stages but `{self.backbone}` has only {len(sequential)} layers; "
                 f"every stage needs at least one layer. Use at most {len(sequential)} devices per pipeline."
             )
-        balance = self._choose_balance(sequential, layout.pipe_size)
+        planned = self._plan(sequential, layout.pipe_size) if AUTO in self.requested else None
+        balance = planned if planned is not None else self._choose_balance(sequential, layout.pipe_size)
         if self.deferred_batch_norm:  # after profiling (which would count as micro-batches), before partitioning
             DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
         self._warn_per_micro_batch_norms(sequential)
@@ -374,6 +397,52 @@ class GPipeStrategy(ParallelStrategy):
             + ("" if costs else "\n(time and memory are measured with balance='time' or 'memory')")
         )
         return balance
+
+    def _plan(self, sequential: nn.Sequential, stages: int) -> list[int]:
+        """The ``"auto"`` settings: rank 0 profiles and plans, every rank takes its choice; returns the split."""
+        balance, chunks, checkpoint = self.requested
+        link = LinkModel()
+        if stages > 1 and self.global_rank in (0, 1):  # the link between two stages, as the pipeline will use it
+            link = measure_link(1 - self.global_rank, device=self.root_device)
+        outcome: Any = None
+        if self.global_rank == 0:
+            try:
+                module = self.lightning_module
+                assert module is not None
+                cap = self.max_memory
+                if cap is None and self.root_device.type == "cuda":
+                    cap = torch.cuda.get_device_properties(self.root_device).total_memory
+                with isolated_rng(self.root_device, everything=True):
+                    sample, _ = backbone_sample(module, sequential, self.backbone, 1, first_batch(module.trainer))
+                    outcome, costs = choose(
+                        sequential,
+                        sample,
+                        stages,
+                        chunks,
+                        checkpoint,
+                        balance,
+                        self.root_device,
+                        cap,
+                        link,
+                        context=self.precision_plugin.forward_context,
+                    )
+                rank_zero_info(
+                    f"GPipe plan for {stages} stage{'s' * (stages > 1)} (chunks={chunks!r}, checkpoint={checkpoint!r}, "
+                    f"balance={balance!r}), predicted on {self.root_device} in {outcome.seconds:.1f}s:\n{outcome.table}"
+                )
+            except Exception as error:
+                outcome = error
+        shared = self.broadcast(
+            outcome if not isinstance(outcome, Exception) else (type(outcome).__name__, str(outcome)), src=0
+        )
+        if isinstance(outcome, Exception):
+            raise outcome
+        if isinstance(shared, tuple):  # rank 0 failed: fail alike, with its message
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(shared[0], RuntimeError)(shared[1])
+        self.auto_choice = shared
+        self.chunks = chunks if isinstance(chunks, int) else shared.chunks
+        self.checkpoint = shared.checkpoint if checkpoint == AUTO else checkpoint
+        return validate_balance(shared.balance, len(sequential), stages)
 
     def _measure_costs(self, sequential: nn.Sequential) -> LayerCosts:
         """Profile on global rank 0 only and broadcast, so that every rank builds the same split."""

@@ -13,7 +13,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Union
+from typing import Any, Callable, ContextManager, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,16 @@ class LayerCosts:
     seconds. ``memory`` is :attr:`state_bytes` (parameters, gradients, optimizer state) plus
     :attr:`activation_bytes` (what the forward saves for the backward, for one micro-batch).
 
+    The planner (:mod:`lightning_gpipe.balancing.plan`) needs more than a split does, so the profile
+    also holds, per layer: ``forward`` and ``backward`` seconds apart (a trimmed mean over the repeats:
+    the drop of the slowest and the fastest fifth keeps a shared machine's hiccups out; a recompute
+    costs a forward), ``output_bytes`` (the layer's output for one micro-batch: what crosses a stage
+    boundary, and its gradient back), ``input_counted`` (bytes of the layer's input that its own
+    ``activation_bytes`` count) and ``output_counted`` (bytes of its output it saves itself). The last
+    two let a stage's kept memory count its input and output once, wherever the boundary falls.
+    ``batch`` is the micro-batch size profiled (0: unknown). The extra fields are empty in costs built
+    by hand for a split.
+
     >>> costs = LayerCosts(params=[10, 0], time=[2.0, 1.0], state_bytes=[160, 0], activation_bytes=[40, 40])
     >>> costs.of("memory"), costs.of("params")
     ([200.0, 40.0], [10.0, 0.0])
@@ -45,6 +55,12 @@ class LayerCosts:
     time: list[float]
     state_bytes: list[int]
     activation_bytes: list[int]
+    forward: tuple[float, ...] = ()
+    backward: tuple[float, ...] = ()
+    output_bytes: tuple[int, ...] = ()
+    input_counted: tuple[int, ...] = ()
+    output_counted: tuple[int, ...] = ()
+    batch: int = 0
 
     @property
     def memory(self) -> list[float]:
@@ -99,7 +115,12 @@ def profile_layers(
         raise ValueError(f"`repeats` must be a positive integer, got {repeats!r}.")
     device = torch.device(device) if device is not None else torch.device("cpu")
     times: list[list[float]] = [[] for _ in module]
+    forwards: list[list[float]] = [[] for _ in module]
+    backwards: list[list[float]] = [[] for _ in module]
     activations = [0] * len(module)
+    outputs = [0] * len(module)
+    inputs_counted = [0] * len(module)
+    outputs_counted = [0] * len(module)
     pops = {route.key: route.pop_layer for route in find_skips(module) if route.pop_layer != route.stash_layer}
     # Whole sweeps, not repeats of one layer in a row: each layer then meets the caches and the
     # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
@@ -111,7 +132,7 @@ def profile_layers(
             for index, layer in enumerate(module):
                 try:
                     received = {k: waiting.pop(k) for k, at in pops.items() if at == index and k in waiting}
-                    x, seconds, activation, input_saved, leaving = _profile_layer(
+                    x, measured, input_saved, leaving = _profile_layer(
                         layer, x, input_saved, device, context, received, set(pops)
                     )
                     waiting.update({k: t.detach().requires_grad_(t.requires_grad) for k, t in leaving.items()})
@@ -121,12 +142,51 @@ def profile_layers(
                         f"{type(error).__name__}: {error}. Fix the layer, or give the split explicitly with `balance`."
                     ) from error
                 if sweep == 0:
-                    activations[index] = activation
+                    activations[index] = measured.activation
+                    outputs[index] = measured.output
+                    inputs_counted[index] = measured.input_counted
+                    outputs_counted[index] = measured.output_counted
                 else:
-                    times[index].append(seconds)
+                    times[index].append(measured.forward + measured.backward)
+                    forwards[index].append(measured.forward)
+                    backwards[index].append(measured.backward)
     params = [sum(p.numel() for p in layer.parameters()) for layer in module]
     states = [state_bytes(layer, optimizer_states) for layer in module]
-    return LayerCosts(params, [statistics.median(t) for t in times], states, activations)
+    return LayerCosts(
+        params,
+        [statistics.median(t) for t in times],
+        states,
+        activations,
+        forward=tuple(trimmed_mean(t) for t in forwards),
+        backward=tuple(trimmed_mean(t) for t in backwards),
+        output_bytes=tuple(outputs),
+        input_counted=tuple(inputs_counted),
+        output_counted=tuple(outputs_counted),
+        batch=microbatch.batch_size(sample),
+    )
+
+
+def trimmed_mean(values: list[float], cut: float = 0.2) -> float:
+    """The mean without the lowest and the highest ``cut`` share (at least one each from 3 values on).
+
+    >>> trimmed_mean([1.0, 2.0, 3.0, 100.0, 0.0])
+    2.0
+    """
+    ordered = sorted(values)
+    drop = max(int(len(ordered) * cut), 1) if len(ordered) >= 3 else 0
+    kept = ordered[drop : len(ordered) - drop]
+    return statistics.fmean(kept)
+
+
+class _Measured(NamedTuple):
+    """One layer's pass: seconds of the forward and of the backward, and its bytes (see :class:`LayerCosts`)."""
+
+    forward: float
+    backward: float
+    activation: int
+    output: int
+    input_counted: int
+    output_counted: int
 
 
 def _device_of(layer: nn.Module) -> Optional[torch.device]:
@@ -151,10 +211,10 @@ def _profile_layer(
     context: Callable[[], ContextManager[Any]],
     received: dict[SkipKey, Tensor],
     crossing: set[SkipKey],
-) -> tuple[Any, float, int, list[bool], dict[SkipKey, Tensor]]:
+) -> tuple[Any, _Measured, list[bool], dict[SkipKey, Tensor]]:
     """One forward and backward of one layer on ``device``.
 
-    Returns its output, seconds, activation bytes, which outputs it saved, and the skips it stashed for
+    Returns its output, its times and bytes, which outputs it saved, and the skips it stashed for
     later layers (``crossing`` names the skips whose pop is in another layer; ``received`` are the skips
     this layer pops, from earlier layers).
     """
@@ -172,14 +232,14 @@ def _profile_layer(
                 saved[pointer] = size
             return t
 
-        _synchronize(device)
-        start = time.perf_counter()
         tracker = SkipTracker(received, record=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), use_tracker(tracker):
-            y, leaving = _forward_backward(layer, x, context, tracker, received, crossing)
-        _synchronize(device)
-        seconds = time.perf_counter() - start
+            y, leaving, forward, backward = _forward_backward(layer, x, context, tracker, received, crossing, device)
         outputs_saved = [_storage(t)[0] in saved for t in microbatch.as_tuple(y)]
+        output_storages = {_storage(t) for t in microbatch.as_tuple(y)}
+        input_storages = {_storage(t) for t in microbatch.tensors(x)}
+        output_counted = sum(size for pointer, size in output_storages if pointer in saved)
+        input_counted = sum(size for pointer, size in input_storages if pointer in saved)
         for t in [*received.values(), *leaving.values()]:  # held from the stash to the backward, saved or not
             pointer, size = _storage(t)
             if pointer not in counted:
@@ -191,7 +251,9 @@ def _profile_layer(
         if home is not None:
             layer.to(home)
     y = microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), y)
-    return y, seconds, sum(saved.values()), outputs_saved, leaving
+    output = sum(t.numel() * t.element_size() for t in microbatch.as_tuple(y))
+    measured = _Measured(forward, backward, sum(saved.values()), output, input_counted, output_counted)
+    return y, measured, outputs_saved, leaving
 
 
 def _forward_backward(
@@ -201,17 +263,29 @@ def _forward_backward(
     tracker: SkipTracker,
     received: dict[SkipKey, Tensor],
     crossing: set[SkipKey],
-) -> tuple[Any, dict[SkipKey, Tensor]]:
+    device: torch.device,
+) -> tuple[Any, dict[SkipKey, Tensor], float, float]:
+    """The layer's output and stashed skips, and the seconds of its forward and of its backward."""
     # torch.autograd.grad, not backward(): the parameters' .grad must stay as it was.
+    _synchronize(device)
+    start = time.perf_counter()
     with context():
         y = layer(x)
+    _synchronize(device)
+    middle = time.perf_counter()
     leaving = {k: t for k, t in tracker.stashed.items() if k in crossing}
     outputs = [t for t in [*microbatch.as_tuple(y), *leaving.values()] if t.requires_grad]
     inputs = [*microbatch.tensors(x), *received.values()]
     wrt = [t for t in inputs if t.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
     if outputs and wrt:
-        torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
-    return y, leaving
+        gradients = [torch.ones_like(t) for t in outputs]
+        middle_grads = time.perf_counter()  # the seed gradients are the pipeline's received ones: not the layer's
+        torch.autograd.grad(outputs, wrt, gradients, allow_unused=True)
+        _synchronize(device)
+        backward = time.perf_counter() - middle_grads
+    else:
+        backward = 0.0
+    return y, leaving, middle - start, backward
 
 
 def _synchronize(device: torch.device) -> None:

@@ -2,7 +2,8 @@
 
 A checkpointed micro-batch keeps only its stage input in the forward and runs the stage again right
 before its backward. This module decides which micro-batches that is (``checkpoint=`` of ``GPipe``
-and ``GPipeStrategy``) and provides the context the recompute runs in. As in torchgpipe, the word
+and ``GPipeStrategy``: torchgpipe's three modes by name, or ``"keep:N"``, checkpointing by count) and
+provides the context the recompute runs in. As in torchgpipe, the word
 "checkpoint" means this everywhere in the package; files are in :mod:`lightning_gpipe.checkpointing`.
 """
 
@@ -20,6 +21,8 @@ __all__ = [
     "ForwardWrites",
     "check_checkpoint_mode",
     "checkpointed",
+    "kept_count",
+    "keep",
     "is_recomputing",
     "recomputing",
 ]
@@ -27,30 +30,72 @@ __all__ = [
 #: The re-materialization policies of torchgpipe, by name.
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
+#: The prefix of checkpointing by count: ``"keep:N"`` keeps the activations of the last ``N`` micro-batches.
+KEEP = "keep:"
+
 _local = threading.local()
+
+
+def keep(count: int) -> str:
+    """The checkpoint mode that keeps the activations of the last ``count`` micro-batches and recomputes the rest.
+
+    The count is written into a string (``"keep:3"``), not passed as an int, so that a mode is always one
+    type: it travels through a LightningCLI YAML file, a checkpoint's hyper-parameters and a log unchanged,
+    and it says what the number means. ``keep:0`` is ``always``, ``keep:1`` is ``except_last``, a count of at
+    least the number of micro-batches is ``never``.
+
+    >>> keep(3)
+    'keep:3'
+    """
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"`keep` takes a number of micro-batches (an int >= 0), got {count!r}.")
+    return f"{KEEP}{count}"
+
+
+def kept_count(mode: str) -> int | None:
+    """The ``N`` of ``"keep:N"``, or ``None`` for a mode by name.
+
+    >>> kept_count("keep:2"), kept_count("never")
+    (2, None)
+    """
+    if not mode.startswith(KEEP):
+        return None
+    digits = mode[len(KEEP) :]
+    return int(digits) if digits.isdigit() else None
 
 
 def check_checkpoint_mode(mode: object) -> str:
     """``mode`` if it names a policy, else a ``ValueError`` that lists them."""
-    if not isinstance(mode, str) or mode not in CHECKPOINT_MODES:
-        raise ValueError(f"`checkpoint` must be one of {CHECKPOINT_MODES}, got {mode!r}.")
-    return mode
+    if isinstance(mode, str) and (mode in CHECKPOINT_MODES or kept_count(mode) is not None):
+        return mode
+    raise ValueError(
+        f"`checkpoint` must be one of {CHECKPOINT_MODES} or 'keep:N' (keep the activations of the last N "
+        f"micro-batches, recompute the others; e.g. 'keep:2'), got {mode!r}."
+    )
 
 
 def checkpointed(mode: str, micro: int, chunks: int) -> bool:
     """Whether micro-batch ``micro`` drops its activations in the forward and recomputes them in the backward.
 
     ``except_last`` keeps the last micro-batch: it is the first to be back-propagated, so recomputing it
-    would be done at once, with nothing to overlap.
+    would be done at once, with nothing to overlap. ``keep:N`` keeps the last ``N`` for the same reason:
+    they are back-propagated first, and a recompute of one of them would have nothing to overlap, whereas
+    the earlier ones recompute while the stage waits for their output gradients. So memory buys back
+    exactly the recomputes that cost the most.
 
     >>> [checkpointed("except_last", i, 3) for i in range(3)]
     [True, True, False]
+    >>> [checkpointed("keep:2", i, 4) for i in range(4)]
+    [True, True, False, False]
     """
     check_checkpoint_mode(mode)
     if mode == "always":
         return True
     if mode == "except_last":
         return micro < chunks - 1
+    count = kept_count(mode)
+    if count is not None:
+        return micro < chunks - count
     return False
 
 

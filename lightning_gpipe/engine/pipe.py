@@ -77,8 +77,9 @@ class GPipe(nn.Module):
         module: the layers, in order.
         balance: layers per stage, one entry per stage; by default an optimal split by parameter count.
         chunks: micro-batches per batch (``M`` in the paper); a batch of fewer samples gets one per sample.
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches drop their
-            activations in the forward and recompute them in the backward.
+        checkpoint: ``"always"``, ``"except_last"``, ``"never"`` or ``"keep:N"`` (keep the last ``N``
+            micro-batches' activations): which micro-batches drop their activations in the forward and
+            recompute them in the backward.
         layout: how the processes form pipelines; by default one pipeline over all processes. With several
             pipelines (data-parallel replicas), each stage averages its gradients over its replicas:
             call ``sync_gradients()`` after ``backward`` (the Lightning strategy does).

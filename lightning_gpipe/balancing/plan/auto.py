@@ -1,0 +1,82 @@
+"""``chunks="auto"``, ``checkpoint="auto"``, ``balance="auto"``: what the strategy asks the planner, as one call.
+
+The strategy profiles on one rank and shares the answer (:meth:`GPipeStrategy._plan`); this module is
+the plain part: which candidates the user's fixed settings leave open, the plan, and what to log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_gpipe.balancing.plan.costs import CostModel
+from lightning_gpipe.balancing.plan.link import LinkModel
+from lightning_gpipe.balancing.plan.measure import micro_batch_sizes, profile_for_plan
+from lightning_gpipe.balancing.plan.search import Splitter, by_time, checkpoint_modes, chunk_grid, plan, plan_table
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.partition import balance as optimal_balance
+from lightning_gpipe.engine.partition import parameter_costs
+
+__all__ = ["AUTO", "AutoChoice", "choose"]
+
+#: The value of ``chunks``, ``checkpoint`` or ``balance`` that asks the planner.
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What the planner chose, the table it logs, and the seconds it took (profiling included)."""
+
+    chunks: int
+    checkpoint: str
+    balance: list[int]
+    table: str
+    seconds: float
+
+
+def _splitter(balance: Union[str, Sequence[int]], module: nn.Sequential) -> Splitter:
+    if not isinstance(balance, str):
+        fixed = list(balance)
+        return lambda model, stages, size: fixed
+    if balance == "params":
+        params = parameter_costs(module)
+        return lambda model, stages, size: optimal_balance(params, stages)
+    if balance == "memory":
+        return lambda model, stages, size: optimal_balance(
+            [s + r.activation_bytes for s, r in zip(model.state_bytes, model.layers(size))], stages
+        )
+    return by_time  # "time" and "auto": the split by time is the fastest one the planner knows how to find
+
+
+def choose(
+    module: nn.Sequential,
+    sample: Any,
+    stages: int,
+    chunks: Union[int, str],
+    checkpoint: str,
+    balance: Union[str, Sequence[int]],
+    device: torch.device,
+    max_memory: Optional[float] = None,
+    link: LinkModel = LinkModel(),
+    context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+) -> tuple[AutoChoice, CostModel]:
+    """Profile ``module`` on ``sample`` (the backbone's input for one whole batch) and plan what is ``"auto"``."""
+    start = time.perf_counter()
+    batch_size = microbatch.batch_size(sample)
+    grid = chunk_grid(batch_size) if chunks == AUTO else [min(int(chunks), batch_size)]
+    model = profile_for_plan(module, sample, micro_batch_sizes(batch_size, grid), device, context=context)
+    modes = checkpoint_modes if checkpoint == AUTO else (lambda m: [checkpoint])
+    result = plan(model, stages, batch_size, link, max_memory, grid, modes, splits=[_splitter(balance, module)])
+    best = result.choice
+    return (
+        AutoChoice(
+            best.chunks, best.checkpoint, list(best.balance), plan_table(result, rows=5), time.perf_counter() - start
+        ),
+        model,
+    )

@@ -1,0 +1,168 @@
+"""Choosing M, the checkpoint mode and the split: every candidate replayed, the fastest that fits kept.
+
+The grid is small and each replay is a few thousand arithmetic operations, so the planner tries every
+candidate rather than guess: chunks from 1 to the batch size (powers of two and the batch size), every
+checkpoint mode that differs for that many micro-batches (``always``, ``keep:N`` for each ``N``,
+``except_last``, ``never``), and per M the splits asked for (by default the optimal split by time at
+that micro-batch size, from :func:`lightning_gpipe.engine.partition.balance`). A candidate fits when
+its largest stage's predicted peak is under the memory cap; among those that fit the fastest step wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_gpipe.balancing.plan.costs import CostModel
+from lightning_gpipe.balancing.plan.link import LinkModel
+from lightning_gpipe.balancing.plan.replay import Prediction, simulate
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.partition import balance as optimal_balance
+
+__all__ = ["Candidate", "Plan", "chunk_grid", "checkpoint_modes", "plan", "plan_table"]
+
+#: A function from (the cost model, stages, micro-batch size) to a split; the default splits by time.
+Splitter = Callable[[CostModel, int, float], list[int]]
+
+
+def by_time(model: CostModel, stages: int, size: float) -> list[int]:
+    """The optimal split by forward plus backward time at this micro-batch size."""
+    return optimal_balance(model.time(size), stages)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (M, checkpoint mode, split) and its replayed step."""
+
+    chunks: int
+    checkpoint: str
+    balance: tuple[int, ...]
+    prediction: Prediction
+    batch_size: int
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.batch_size / self.prediction.step if self.prediction.step > 0 else float("inf")
+
+    def describe(self) -> str:
+        return f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, balance={list(self.balance)}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every candidate, fastest first; the choice is the fastest that fits, the runner-up the next."""
+
+    candidates: tuple[Candidate, ...]
+    max_memory: Optional[float]
+
+    def fits(self, candidate: Candidate) -> bool:
+        return self.max_memory is None or candidate.prediction.peak_memory <= self.max_memory
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        return [c for c in self.candidates if self.fits(c)]
+
+    @property
+    def choice(self) -> Candidate:
+        """The fastest candidate that fits; a ``ValueError`` naming the smallest peak when none does."""
+        fitting = self.fitting
+        if not fitting:
+            smallest = min(self.candidates, key=lambda c: c.prediction.peak_memory)
+            raise ValueError(
+                f"No (chunks, checkpoint, balance) is predicted to fit in max_memory={_bytes(self.max_memory or 0)} "
+                f"per device: the smallest predicted peak is {_bytes(smallest.prediction.peak_memory)} "
+                f"({smallest.describe()}). Use more devices, a smaller batch, or a larger max_memory."
+            )
+        return fitting[0]
+
+    @property
+    def runner_up(self) -> Optional[Candidate]:
+        fitting = self.fitting
+        return fitting[1] if len(fitting) > 1 else None
+
+
+def chunk_grid(batch_size: int) -> list[int]:
+    """Powers of two up to the batch size, and the batch size.
+
+    >>> chunk_grid(24)
+    [1, 2, 4, 8, 16, 24]
+    """
+    grid, m = [], 1
+    while m < batch_size:
+        grid.append(m)
+        m *= 2
+    return [*grid, batch_size]
+
+
+def checkpoint_modes(chunks: int) -> list[str]:
+    """Every mode that differs for ``chunks`` micro-batches: from recomputing all to recomputing none.
+
+    >>> checkpoint_modes(4)
+    ['always', 'except_last', 'keep:2', 'keep:3', 'never']
+    """
+    named = {0: "always", 1: "except_last", chunks: "never"}
+    return [named.get(n, f"keep:{n}") for n in range(chunks + 1)]
+
+
+def plan(
+    model: CostModel,
+    stages: int,
+    batch_size: int,
+    link: LinkModel = LinkModel(),
+    max_memory: Optional[float] = None,
+    chunks: Optional[Iterable[int]] = None,
+    checkpoints: Optional[Callable[[int], Sequence[str]]] = None,
+    splits: Sequence[Splitter] = (by_time,),
+    head: float = 0.0,
+) -> Plan:
+    """Replay every candidate for ``stages`` devices and a batch of ``batch_size``; see the module's docstring.
+
+    ``chunks`` restricts M (default :func:`chunk_grid`), ``checkpoints`` gives the modes to try for an M
+    (default :func:`checkpoint_modes`), ``splits`` the ways to split (each called per micro-batch size).
+    """
+    if stages > len(model):
+        raise ValueError(f"Cannot plan {stages} stages for a backbone of {len(model)} layers.")
+    grid = sorted({min(m, batch_size) for m in (chunks if chunks is not None else chunk_grid(batch_size))})
+    found: list[Candidate] = []
+    for m in grid:
+        microbatch.check_chunks(m)
+        size = batch_size / m
+        balances = {tuple(split(model, stages, size)) for split in splits}
+        for balance in sorted(balances):
+            costs = model.step_costs(balance, batch_size, m, head=head)
+            for mode in (checkpoints or checkpoint_modes)(m):
+                found.append(Candidate(m, mode, balance, simulate(costs, mode, link), batch_size))
+    # Fastest first; on a tie the smaller peak, then fewer micro-batches.
+    found.sort(key=lambda c: (round(c.prediction.step, 12), c.prediction.peak_memory, c.chunks))
+    return Plan(tuple(found), max_memory)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def plan_table(result: Plan, rows: Optional[int] = None) -> str:
+    """A markdown table of the candidates, fastest first (the first ``rows``), the choice and runner-up marked."""
+    choice = result.choice if result.fitting else None
+    runner_up = result.runner_up
+    lines = [
+        "| | chunks | checkpoint | balance | step ms | samples/s | bubble | peak memory | fits |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|",
+    ]
+    shown = list(result.candidates[:rows] if rows else result.candidates)
+    for extra in (choice, runner_up):
+        if extra is not None and extra not in shown:
+            shown.append(extra)
+    for c in shown:
+        mark = "choice" if c is choice else "runner-up" if c is runner_up else ""
+        p, fits = c.prediction, "yes" if result.fits(c) else "no"
+        lines.append(
+            f"| {mark} | {c.chunks} | {c.checkpoint} | {list(c.balance)} | {p.step * 1e3:.2f} | "
+            f"{c.samples_per_second:.1f} | {p.bubble:.3f} | {_bytes(p.peak_memory)} | {fits} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""`lightning-gpipe plan`: builds the config's model and data, profiles, prints and writes every K's plan."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from lightning_gpipe.cli import parse_bytes, plan_command
+
+CONFIG = str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "amoebanet_digits.yaml")
+
+
+def test_plan_prints_and_writes_every_k_marks_the_fastest_that_fits_and_skips_a_k_beyond_the_layers(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["--config", CONFIG, "--devices", "1", "2", "99", "--chunks", "1", "4", "--repeats", "1", "--out", str(out)]
+    report = plan_command([*args, "--memory", "1GiB", "--latency", "1e-4"])
+    printed = capsys.readouterr().out
+    assert "K=99: skipped, the backbone has only 7 layers" in printed
+    assert printed.count("| choice |") == 2 and "K=2 (a batch of 64)" in printed
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert [p["stages"] for p in report["plans"]] == [1, 2] and report["link"]["latency"] == 1e-4
+    for p in report["plans"]:
+        fitting = [c for c in p["candidates"] if c["fits"]]
+        assert p["choice"] == {k: v for k, v in fitting[0].items() if k != "fits"}
+        assert p["choice"]["step_s"] == min(c["step_s"] for c in fitting)
+        assert {c["chunks"] for c in p["candidates"]} == {1, 4}
+        assert {c["checkpoint"] for c in p["candidates"] if c["chunks"] == 4} == {
+            "always",
+            "except_last",
+            "keep:2",
+            "keep:3",
+            "never",
+        }
+        assert len(p["choice"]["stages"]) == p["stages"]
+
+
+def test_sizes_are_read_with_units_and_a_bad_one_is_named():
+    assert parse_bytes("2MiB") == 2 * 2**20
+    with pytest.raises(Exception, match="'16 parsecs' is not a size"):
+        parse_bytes("16 parsecs")

@@ -1,0 +1,249 @@
+"""The planner's replay of a step, on synthetic costs where the answer is known exactly; the choice; the cost model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.balancing.plan import (
+    CostModel,
+    LinkModel,
+    StageCost,
+    StepCosts,
+    checkpoint_modes,
+    plan,
+    plan_table,
+    simulate,
+)
+from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers
+from lightning_gpipe.engine.checkpoint import checkpointed, keep
+from lightning_gpipe.engine.schedule import bubble_fraction, fill_drain
+
+F, B, R = 1.0, 2.0, 1.5  # forward, backward and recompute seconds of every stage's micro-batch
+
+
+def equal(stages: int, chunks: int, **kwargs) -> StepCosts:
+    cost = StageCost(forward=F, backward=B, recompute=R)
+    return StepCosts([[cost] * chunks for _ in range(stages)], state=[0] * stages, **kwargs)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 5])
+@pytest.mark.parametrize("chunks", [1, 2, 4, 7])
+def test_equal_stages_without_recompute_take_m_plus_k_minus_1_cycles_and_gpipes_bubble(stages, chunks):
+    step = simulate(equal(stages, chunks), "never")
+    assert step.step == pytest.approx((chunks + stages - 1) * (F + B), abs=1e-12)
+    assert step.bubble == pytest.approx(bubble_fraction(chunks, stages), abs=1e-12)
+    for stage in step.stages:
+        assert stage.busy == pytest.approx(chunks * (F + B))
+        assert stage.idle == pytest.approx((stages - 1) * (F + B))
+        assert stage.recompute == 0
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("chunks", [1, 3, 6])
+def test_each_recompute_that_cannot_overlap_adds_its_time_and_keep_n_saves_n_of_them(stages, chunks):
+    # The recomputes of the first micro-batches of the drain overlap nothing on the last stage, and the others
+    # only shift a chain that the last stage sets: each checkpointed micro-batch adds R to the step.
+    for kept in range(chunks + 1):
+        step = simulate(equal(stages, chunks), keep(kept))
+        assert step.step == pytest.approx((chunks + stages - 1) * (F + B) + (chunks - kept) * R, abs=1e-12)
+        assert step.stages[0].recompute == pytest.approx((chunks - kept) * R)
+    assert simulate(equal(stages, chunks), "always").step == simulate(equal(stages, chunks), "keep:0").step
+    assert simulate(equal(stages, chunks), "except_last").step == simulate(equal(stages, chunks), "keep:1").step
+
+
+def test_latency_delays_every_boundary_the_share_and_the_gradient():
+    latency = 0.25
+    step = simulate(equal(2, 1), "never", LinkModel(latency=latency))
+    # forward 0 -> arrives -> forward 1 -> share arrives (the last stage waits for its delivery) -> backward 1 ->
+    # gradient arrives -> backward 0
+    assert step.step == pytest.approx(2 * F + 2 * B + 3 * latency)
+    spans = {(s.stage, s.kind): (s.start, s.end) for s in step.timeline}
+    assert spans[(1, "forward")] == pytest.approx((F + latency, 2 * F + latency))
+    assert spans[(1, "backward")] == pytest.approx((2 * F + 2 * latency, 2 * F + 2 * latency + B))
+    assert spans[(0, "backward")][0] == pytest.approx(2 * F + 3 * latency + B)
+
+
+def test_bandwidth_times_each_message_by_its_bytes_and_one_link_carries_one_message_at_a_time():
+    cost = StageCost(forward=1.0, backward=1.0, recompute=1.0, output=300)
+    fast_first = StageCost(forward=0.1, backward=1.0, recompute=1.0, output=300)
+    link = LinkModel(bandwidth=100.0)  # 3 s per activation
+    step = simulate(StepCosts([[fast_first] * 2, [cost] * 2], state=[0, 0]), "never", link)
+    forwards = [(s.start, s.end) for s in step.timeline if s.stage == 1 and s.kind == "forward"]
+    # micro-batch 0 is sent at 0.1 and arrives at 3.1; micro-batch 1 is sent at 0.2 but waits for the link until 3.1
+    assert forwards == [pytest.approx((3.1, 4.1)), pytest.approx((6.1, 7.1))]
+
+
+def test_unequal_stages_wait_for_the_slow_one():
+    fast, slow = StageCost(1.0, 2.0, 1.0), StageCost(3.0, 6.0, 3.0)
+    step = simulate(StepCosts([[fast] * 2, [slow] * 2], state=[0, 0]), "never")
+    assert step.step == pytest.approx(21.0)  # worked out by hand: see the spans below
+    spans = [(s.stage, s.kind, s.micro, s.start, s.end) for s in step.timeline]
+    assert (1, "forward", 1, 4.0, 7.0) in spans and (0, "backward", 1, 13.0, 15.0) in spans
+    assert (0, "backward", 0, 19.0, 21.0) in spans
+    assert step.bubble == pytest.approx(1 - 24 / 42)
+    assert [s.utilization for s in step.stages] == pytest.approx([6 / 21, 18 / 21])
+
+
+def test_head_and_update_add_to_every_stage_once():
+    step = simulate(equal(2, 2, head=0.5, update=[0.25, 0.25]), "never")
+    assert step.step == pytest.approx(3 * (F + B) + 0.5 + 0.25)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_each_stage_runs_the_engines_tasks_in_the_engines_order(chunks):
+    for mode in checkpoint_modes(chunks):
+        step = simulate(equal(3, chunks), mode)
+        forward, backward = fill_drain(chunks, mode)
+        for stage in range(3):
+            ran = [(s.kind, s.micro) for s in sorted(step.timeline, key=lambda s: s.start) if s.stage == stage]
+            assert ran == [(t.kind, t.micro) for t in [*forward, *backward]]
+
+
+STATE, KEPT, INPUT, WORKING, OUTPUT = 1000, 100, 20, 7, 5
+
+
+def memory_costs(chunks: int) -> StepCosts:
+    cost = StageCost(F, B, R, kept=KEPT, input=INPUT, working=WORKING)
+    return StepCosts([[cost] * chunks], state=[STATE], output=OUTPUT)
+
+
+@pytest.mark.parametrize("chunks", [1, 4, 6])
+def test_peak_memory_keeps_n_micro_batches_whole_and_the_inputs_of_the_rest(chunks):
+    # at the start of the drain a stage holds its state, the shared output (twice on the last stage: its micro-batch
+    # outputs and their join), every kept micro-batch whole and the input of the others; the first backward then
+    # needs its working bytes, with the first micro-batch of the drain whole (recomputed if it was dropped)
+    for kept in range(chunks + 1):
+        whole = max(kept, 1)
+        expected = STATE + 2 * OUTPUT + whole * KEPT + (chunks - whole) * INPUT + WORKING
+        assert simulate(memory_costs(chunks), keep(kept)).peak_memory == expected
+
+
+def test_peak_memory_of_keep_n_lies_between_never_and_except_last():
+    peaks = [simulate(memory_costs(6), mode).peak_memory for mode in ("except_last", "keep:3", "never")]
+    assert peaks[0] < peaks[1] < peaks[2]
+
+
+def test_checkpointing_by_count_keeps_the_last_n_and_is_checked():
+    assert [checkpointed("keep:2", i, 5) for i in range(5)] == [True, True, True, False, False]
+    assert [checkpointed("keep:9", i, 3) for i in range(3)] == [False] * 3  # at least M: never
+    assert [checkpointed("keep:0", i, 3) for i in range(3)] == [True] * 3
+    for bad in ("keep:", "keep:-1", "keep:two", 3):
+        with pytest.raises(ValueError, match="'keep:N'"):
+            checkpointed(bad, 0, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="an int >= 0"):
+        keep(-1)
+
+
+def test_a_link_needs_a_positive_bandwidth_and_a_non_negative_latency():
+    with pytest.raises(ValueError, match="bandwidth"):
+        LinkModel(bandwidth=0)
+    with pytest.raises(ValueError, match="latency"):
+        LinkModel(latency=-1)
+
+
+def profile(batch: int, forward: list[float], backward: list[float], activation: list[int], output: list[int]):
+    """Hand-written costs of a profile at micro-batch size ``batch``, as `profile_layers` returns them."""
+    n = len(forward)
+    return LayerCosts(
+        [1] * n,
+        [f + b for f, b in zip(forward, backward)],
+        [400] * n,
+        activation,
+        forward=tuple(forward),
+        backward=tuple(backward),
+        output_bytes=tuple(output),
+        input_counted=tuple([output[0]] + [0] * (n - 1)),
+        output_counted=(0,) * n,
+        batch=batch,
+    )
+
+
+def test_the_cost_model_reads_times_off_a_line_and_counts_each_kept_tensor_once():
+    small = profile(1, [1.0, 1.0], [2.0, 2.0], [8, 4], [8, 4])
+    large = profile(5, [3.0, 5.0], [6.0, 10.0], [40, 20], [40, 20])
+    model = CostModel([large, small])
+    rows = model.layers(3)
+    assert [r.forward for r in rows] == pytest.approx([2.0, 3.0])
+    assert [r.backward for r in rows] == pytest.approx([4.0, 6.0])
+    assert model.layers(9)[0].forward == pytest.approx(5.0)  # the end segment, extended
+    costs = model.step_costs([1, 1], batch_size=6, chunks=2)  # two micro-batches of 3 samples
+    first, second = costs.micro[0][0], costs.micro[1][0]
+    assert (first.forward, second.backward) == pytest.approx((2.0, 6.0))
+    assert first.output == 24 and second.input == 24  # the boundary tensor
+    assert first.kept == 24 + 24 - 24 + 0 + 24  # saved, its own counted input out, the (view of the) input, output
+    assert second.kept == 12 + 24 + 12  # what it saves, the received input, the output
+    assert costs.state == [400, 400] and costs.output == 24  # the last layer's output for the whole batch of 6
+    assert CostModel([small]).layers(3)[1].forward == pytest.approx(3.0)  # one profile: in proportion
+
+
+def test_costs_built_by_hand_for_a_split_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="profiles from `profile_layers`"):
+        CostModel([LayerCosts([1], [1.0], [1], [1])])
+
+
+def planning_model() -> CostModel:
+    # four equal layers whose time is a fixed 1 ms per pass plus 1 ms per sample: small micro-batches pay the
+    # fixed part more often, so neither M = 1 (a long bubble) nor M = the batch size is the fastest
+    def at(batch):
+        fixed = [1e-3 + 1e-3 * batch] * 4
+        return profile(batch, fixed, [2 * t for t in fixed], [100 * batch] * 4, [10 * batch] * 4)
+
+    return CostModel([at(1), at(16)])
+
+
+def test_the_plan_chooses_the_fastest_candidate_that_fits_and_names_the_runner_up():
+    model = planning_model()
+    free = plan(model, stages=2, batch_size=16)
+    steps = [c.prediction.step for c in free.candidates]
+    assert free.choice.prediction.step == min(steps)
+    assert all(a <= b + 1e-12 for a, b in zip(steps, steps[1:]))  # fastest first
+    assert free.choice.checkpoint == "never" and 1 < free.choice.chunks < 16
+    assert free.runner_up is not None and free.runner_up.prediction.step >= free.choice.prediction.step
+    # a cap under the choice's peak: the fastest candidate that fits, which recomputes some micro-batches
+    cap = free.choice.prediction.peak_memory - 1
+    capped = plan(model, stages=2, batch_size=16, max_memory=cap)
+    assert capped.choice.prediction.peak_memory <= cap
+    assert all(c.prediction.step >= capped.choice.prediction.step for c in capped.fitting)
+    assert "choice" in plan_table(capped, rows=3) and "runner-up" in plan_table(capped, rows=3)
+
+
+def test_a_cap_that_nothing_fits_is_refused_with_the_smallest_peak():
+    result = plan(planning_model(), stages=2, batch_size=16, max_memory=10)
+    with pytest.raises(ValueError, match="No .* is predicted to fit in max_memory=.*smallest predicted peak"):
+        _ = result.choice
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.02)
+        return grad
+
+
+class SlowBackward(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+class SlowForward(nn.Module):
+    def forward(self, x):
+        time.sleep(0.02)
+        return x * 1.0
+
+
+def test_profiling_times_the_forward_and_the_backward_apart_and_records_what_crosses_a_boundary():
+    model = nn.Sequential(SlowForward(), SlowBackward(), nn.Linear(4, 6))
+    costs = profile_layers(model, torch.randn(3, 4, requires_grad=True), repeats=3)
+    assert costs.forward[0] > 0.018 and costs.backward[0] < 0.01
+    assert costs.backward[1] > 0.018 and costs.forward[1] < 0.01
+    assert costs.time[0] == pytest.approx(costs.forward[0] + costs.backward[0], rel=0.5)
+    assert costs.output_bytes == (3 * 4 * 4, 3 * 4 * 4, 3 * 6 * 4) and costs.batch == 3
+    assert costs.input_counted[2] == 3 * 4 * 4  # Linear saves its input; the layer before did not save its output
