@@ -404,41 +404,34 @@ class GPipeStrategy(ParallelStrategy):
         link = LinkModel()
         if stages > 1 and self.global_rank in (0, 1):  # the link between two stages, as the pipeline will use it
             link = measure_link(1 - self.global_rank, device=self.root_device)
-        outcome: Any = None
-        if self.global_rank == 0:
-            try:
-                module = self.lightning_module
-                assert module is not None
-                cap = self.max_memory
-                if cap is None and self.root_device.type == "cuda":
-                    cap = torch.cuda.get_device_properties(self.root_device).total_memory
-                with isolated_rng(self.root_device, everything=True):
-                    sample, _ = backbone_sample(module, sequential, self.backbone, 1, first_batch(module.trainer))
-                    outcome, costs = choose(
-                        sequential,
-                        sample,
-                        stages,
-                        chunks,
-                        checkpoint,
-                        balance,
-                        self.root_device,
-                        cap,
-                        link,
-                        context=self.precision_plugin.forward_context,
-                    )
-                rank_zero_info(
-                    f"GPipe plan for {stages} stage{'s' * (stages > 1)} (chunks={chunks!r}, checkpoint={checkpoint!r}, "
-                    f"balance={balance!r}), predicted on {self.root_device} in {outcome.seconds:.1f}s:\n{outcome.table}"
+
+        def plan_here() -> Any:
+            module = self.lightning_module
+            assert module is not None
+            cap = self.max_memory
+            if cap is None and self.root_device.type == "cuda":
+                cap = torch.cuda.get_device_properties(self.root_device).total_memory
+            with isolated_rng(self.root_device, everything=True):
+                sample, _ = backbone_sample(module, sequential, self.backbone, 1, first_batch(module.trainer))
+                outcome, _ = choose(
+                    sequential,
+                    sample,
+                    stages,
+                    chunks,
+                    checkpoint,
+                    balance,
+                    self.root_device,
+                    cap,
+                    link,
+                    context=self.precision_plugin.forward_context,
                 )
-            except Exception as error:
-                outcome = error
-        shared = self.broadcast(
-            outcome if not isinstance(outcome, Exception) else (type(outcome).__name__, str(outcome)), src=0
-        )
-        if isinstance(outcome, Exception):
-            raise outcome
-        if isinstance(shared, tuple):  # rank 0 failed: fail alike, with its message
-            raise {"ValueError": ValueError, "TypeError": TypeError}.get(shared[0], RuntimeError)(shared[1])
+            rank_zero_info(
+                f"GPipe plan for {stages} stage{'s' * (stages > 1)} (chunks={chunks!r}, checkpoint={checkpoint!r}, "
+                f"balance={balance!r}), predicted on {self.root_device} in {outcome.seconds:.1f}s:\n{outcome.table}"
+            )
+            return outcome
+
+        shared = self._from_rank_zero(plan_here)
         self.auto_choice = shared
         self.chunks = chunks if isinstance(chunks, int) else shared.chunks
         self.checkpoint = shared.checkpoint if checkpoint == AUTO else checkpoint
@@ -446,19 +439,28 @@ class GPipeStrategy(ParallelStrategy):
 
     def _measure_costs(self, sequential: nn.Sequential) -> LayerCosts:
         """Profile on global rank 0 only and broadcast, so that every rank builds the same split."""
+
+        def profile_here() -> LayerCosts:
+            module = self.lightning_module
+            assert module is not None
+            with isolated_rng(self.root_device, everything=True):
+                sample, where = backbone_sample(
+                    module, sequential, self.backbone, self.chunks, first_batch(module.trainer)
+                )
+                costs = profile_layers(
+                    sequential, sample, self.root_device, context=self.precision_plugin.forward_context
+                )
+            rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
+            return costs
+
+        return self._from_rank_zero(profile_here)
+
+    def _from_rank_zero(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` on global rank 0, broadcast; if it raises there, every rank raises alike (collective)."""
         outcome: Any = None
         if self.global_rank == 0:
             try:
-                module = self.lightning_module
-                assert module is not None
-                with isolated_rng(self.root_device, everything=True):
-                    sample, where = backbone_sample(
-                        module, sequential, self.backbone, self.chunks, first_batch(module.trainer)
-                    )
-                    outcome = profile_layers(
-                        sequential, sample, self.root_device, context=self.precision_plugin.forward_context
-                    )
-                rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
+                outcome = compute()
             except Exception as error:
                 outcome = error
         shared = self.broadcast(

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, random_split
 
-__all__ = ["ImageDataModule"]
+__all__ = ["ImageDataModule", "SplitLoaders"]
 
 _NORMALIZE = {  # per-channel mean and std of the training images
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
@@ -20,7 +20,41 @@ _NORMALIZE = {  # per-channel mean and std of the training images
 }
 
 
-class ImageDataModule(L.LightningDataModule):
+class SplitLoaders(L.LightningDataModule):
+    """The DataLoaders of a data module whose ``setup`` fills ``splits`` (``"train"``, ``"val"``, ``"test"``).
+
+    A subclass sets ``splits``, ``batch_size`` and ``num_workers`` in ``__init__``.
+    """
+
+    splits: dict[str, Dataset]
+    batch_size: int
+    num_workers: int
+
+    def _loader(self, split: str, train: bool = False) -> DataLoader:
+        if not self.splits:
+            self.setup("fit")
+        # Training drops a last, smaller batch, as usual with BatchNorm (a step on a few samples is a noisy one);
+        # the pipeline itself runs any batch size, with min(chunks, batch size) micro-batches.
+        return DataLoader(
+            self.splits[split],
+            batch_size=self.batch_size,
+            shuffle=train,
+            drop_last=train,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+
+class ImageDataModule(SplitLoaders):
     """Image classification data: train, validation and test splits, as (image, label) batches.
 
     Args:
@@ -67,7 +101,7 @@ class ImageDataModule(L.LightningDataModule):
         self.val_fraction, self.num_workers, self.seed = val_fraction, num_workers, seed
         self.fake_size, self.fake_classes = fake_size, fake_classes
         self.classes = list(classes) if classes is not None else None
-        self.splits: dict[str, Dataset] = {}
+        self.splits = {}
 
     @property
     def in_channels(self) -> int:
@@ -158,29 +192,6 @@ class ImageDataModule(L.LightningDataModule):
                 steps.append(T.Resize(self.image_size))
         steps += [T.ToTensor(), T.Normalize(mean, std)]
         return T.Compose(steps)
-
-    def _loader(self, split: str, train: bool = False) -> DataLoader:
-        if not self.splits:
-            self.setup()
-        # Training drops a last, smaller batch, as usual with BatchNorm (a step on a few samples is a noisy one);
-        # the pipeline itself runs any batch size, with min(chunks, batch size) micro-batches.
-        return DataLoader(
-            self.splits[split],
-            batch_size=self.batch_size,
-            shuffle=train,
-            drop_last=train,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
 
 
 def _digits(image_size: Optional[int]) -> TensorDataset:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+
+from lightning_gpipe.tasks.data import SplitLoaders
 
 __all__ = ["ShapesDataModule", "draw_shapes"]
 
@@ -64,7 +65,7 @@ def draw_shapes(
     return image.unsqueeze(1), mask.unsqueeze(1).float()
 
 
-class ShapesDataModule(L.LightningDataModule):
+class ShapesDataModule(SplitLoaders):
     """Binary segmentation data from :func:`draw_shapes`: train, validation and test splits of ``(image, mask)``.
 
     Args:
@@ -98,7 +99,7 @@ class ShapesDataModule(L.LightningDataModule):
         self.image_size, self.max_shapes, self.noise, self.seed = image_size, max_shapes, noise, seed
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
         self.batch_size, self.num_workers = batch_size, num_workers
-        self.splits: dict[str, TensorDataset] = {}
+        self.splits = {}
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.splits:
@@ -108,24 +109,3 @@ class ShapesDataModule(L.LightningDataModule):
                 self.sizes[split], self.image_size, self.max_shapes, self.noise, seed=self.seed * len(SPLITS) + index
             )
             self.splits[split] = TensorDataset(images, masks)
-
-    def _loader(self, split: str, train: bool = False) -> DataLoader:
-        if not self.splits:
-            self.setup()
-        return DataLoader(
-            self.splits[split],
-            batch_size=self.batch_size,
-            shuffle=train,
-            drop_last=train,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")

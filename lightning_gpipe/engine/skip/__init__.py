@@ -24,7 +24,8 @@ Example::
     model = nn.Sequential(Keep(), nn.Linear(8, 8), nn.ReLU(), AddBack())   # a residual over 2 layers
 """
 
-from lightning_gpipe.engine.skip.declare import Namespace, SkipKey, declared, isolate, pop, skippable, stash
+from lightning_gpipe.engine.skip.declare import declared, isolate, pop, skippable, stash
+from lightning_gpipe.engine.skip.keys import Namespace, SkipKey
 from lightning_gpipe.engine.skip.layers import PopAdd, PopCat, Stash
 from lightning_gpipe.engine.skip.layout import Route, SkipRoutes, find_skips
 from lightning_gpipe.engine.skip.tracker import SkipTracker, use_tracker

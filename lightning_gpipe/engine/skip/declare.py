@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from lightning_gpipe.engine.skip.keys import Namespace, SkipKey
 from lightning_gpipe.engine.skip.tracker import current_tracker
 
-__all__ = ["Namespace", "SkipKey", "declared", "isolate", "pop", "skippable", "stash"]
+__all__ = ["declared", "isolate", "pop", "skippable", "stash"]
 
 M = TypeVar("M", bound=nn.Module)
 

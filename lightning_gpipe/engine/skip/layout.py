@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_gpipe.engine.skip.declare import SkipKey, skip_names
+from lightning_gpipe.engine.skip.declare import skip_names
+from lightning_gpipe.engine.skip.keys import SkipKey
 
 __all__ = ["Route", "SkipRoutes", "find_skips"]
 
@@ -117,16 +118,16 @@ class SkipRoutes:
 
     def leaving(self, stage: int) -> dict[int, list[Route]]:
         """The skips ``stage`` stashes for later stages, by the stage of their pop, in the fixed order."""
-        out: dict[int, list[Route]] = {}
-        for route, (a, b) in zip(self.routes, self._ends):
-            if a == stage != b:
-                out.setdefault(b, []).append(route)
-        return dict(sorted(out.items()))
+        return self._crossing(stage, end=0)
 
     def arriving(self, stage: int) -> dict[int, list[Route]]:
         """The skips ``stage`` pops from earlier stages, by the stage of their stash, in the fixed order."""
+        return self._crossing(stage, end=1)
+
+    def _crossing(self, stage: int, end: int) -> dict[int, list[Route]]:
+        """The cross-stage skips whose stash (``end=0``) or pop (``end=1``) is on ``stage``, by the other stage."""
         out: dict[int, list[Route]] = {}
-        for route, (a, b) in zip(self.routes, self._ends):
-            if b == stage != a:
-                out.setdefault(a, []).append(route)
+        for route, ends in zip(self.routes, self._ends):
+            if ends[end] == stage != ends[1 - end]:
+                out.setdefault(ends[1 - end], []).append(route)
         return dict(sorted(out.items()))

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_gpipe.engine.failure import PipelineError
 from lightning_gpipe.engine.messages import Message
-from lightning_gpipe.engine.skip.declare import SkipKey
+from lightning_gpipe.engine.skip.keys import SkipKey
 from lightning_gpipe.engine.skip.layout import SkipRoutes
 from lightning_gpipe.engine.skip.tracker import SkipTracker
 
