@@ -80,3 +80,42 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
     pipe.close()
     dist.destroy_process_group()
     return result
+
+
+def wire_messages() -> list[tuple]:
+    """Messages of every framing: inline (small), header then tensors (over the inline limit), gaps, odd dtypes."""
+    from lightning_gpipe.engine.messages import INLINE_LIMIT
+
+    generator = torch.Generator().manual_seed(3)
+    big = torch.randn(INLINE_LIMIT // 4 + 1, generator=generator)  # one element over: its own frame
+    return [
+        ((torch.randn(3, 5, generator=generator),), [True], False),
+        ((torch.tensor(2.5), None, torch.zeros(0, 4), torch.tensor([True, False, True])), [False] * 4, True),
+        ((torch.randn(7, generator=generator).to(torch.complex128), torch.arange(5, dtype=torch.int16)), [False] * 2, True),
+        ((big, torch.randn(2, 2, generator=generator)), [True, False], True),
+        ((torch.randn(2, 3, generator=generator).to(torch.bfloat16),), [False], False),
+    ]
+
+
+def wire_round_trip(rank: int, world_size: int) -> list:
+    """Rank 0 sends :func:`wire_messages` over the engine's channels; rank 1 returns what arrived."""
+    from lightning_gpipe.engine.channels import Channels
+    from lightning_gpipe.engine.failure import FailureBoard
+    from lightning_gpipe.engine.messages import Tag
+    from lightning_gpipe.engine.topology import PipeLayout
+
+    dist.init_process_group("gloo")
+    board = FailureBoard.for_default_group(lambda r: f"stage {r}", namespace="wire")
+    channels = Channels(PipeLayout(world_size, world_size), rank, torch.device("cpu"), board, timeout=60.0)
+    got = []
+    for micro, (values, flags, is_tuple) in enumerate(wire_messages()):
+        if rank == 0:
+            channels.send(1, values, flags, is_tuple, Tag("forward", 4, micro, "training_step", batch=77))
+        else:
+            message = channels.recv(0)
+            got.append((message.values, message.requires_grad, message.is_tuple, message.tag))
+    sent = channels.bytes_sent()
+    channels.flush()
+    channels.close()
+    dist.destroy_process_group()
+    return got if rank else [sent]

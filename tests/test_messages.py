@@ -5,7 +5,18 @@ import torch
 
 from lightning_gpipe import PipelineError
 from lightning_gpipe.engine.lockstep import check_message
-from lightning_gpipe.engine.messages import HEADER_LEN, Message, Tag, decode, encode
+from lightning_gpipe.engine.messages import (
+    HEADER_BYTES,
+    HEADER_LEN,
+    INLINE_LIMIT,
+    Message,
+    Tag,
+    decode,
+    encode,
+    frames,
+    inline_values,
+    is_inline,
+)
 
 
 def test_header_round_trips_shapes_dtypes_grad_flags_missing_entries_and_the_tag():
@@ -67,3 +78,49 @@ def test_a_forward_from_a_stage_with_another_batch_names_both_stages_and_the_fix
         check_message(_message(Tag("forward", 2, 1, "training_step", batch=0x4321)), expected, "stage 1 (rank 1)", 2)
     same = _message(Tag("forward", 2, 1, "training_step", batch=0x1234))
     assert check_message(same, expected, "stage 1 (rank 1)", 2) is same
+
+
+def test_small_messages_travel_inline_in_one_frame_and_large_ones_in_a_frame_per_tensor():
+    tag = Tag("forward", 1, 0)
+    small = frames((torch.zeros(4), None, torch.ones(2, dtype=torch.int8)), [True, False, False], True, tag, 1024)
+    assert len(small) == 1 and is_inline(small[0][:HEADER_BYTES].view(torch.int64))
+    big = torch.zeros(257)  # 1028 bytes: over a 1024-byte limit
+    assert [f.numel() for f in frames((big,), [False], False, tag, 1024)] == [HEADER_LEN, 257]
+    assert len(frames((torch.zeros(4),), [False], False, tag, inline_limit=0)) == 2  # NCCL: never inline
+
+
+def test_an_inline_frame_carries_every_dtype_shape_and_gap_bit_for_bit():
+    values = (
+        torch.randn(3, 5),
+        None,
+        torch.tensor(1.5, dtype=torch.float64),
+        torch.zeros(0, 3),
+        torch.tensor([True, False]),
+        torch.randn(3).to(torch.complex128),
+        torch.arange(3, dtype=torch.int16),
+    )
+    (frame,) = frames(values, [True] + [False] * 6, True, Tag("gradient", 2, 1), INLINE_LIMIT)
+    specs, tag, is_tuple = decode(frame[:HEADER_BYTES].view(torch.int64))
+    got = inline_values(frame, specs, torch.device("cpu"))
+    assert tag == Tag("gradient", 2, 1) and is_tuple and [f for _, f, _ in specs] == [True] + [False] * 6
+    for value, arrived in zip(values, got):
+        if value is None:
+            assert arrived is None
+        else:
+            assert arrived.dtype == value.dtype and arrived.shape == value.shape and torch.equal(arrived, value)
+
+
+def test_messages_of_every_framing_cross_a_real_gloo_pair_unchanged():
+    from _engine_workers import wire_messages, wire_round_trip
+
+    from lightning_gpipe.launch import run_ok
+
+    (sent,), got = run_ok(wire_round_trip, 2, timeout=120)
+    expected = wire_messages()
+    assert len(got) == len(expected)
+    for micro, ((values, flags, is_tuple), (arrived, arrived_flags, arrived_tuple, tag)) in enumerate(zip(expected, got)):
+        assert tag == Tag("forward", 4, micro, "training_step", batch=77)
+        assert list(arrived_flags) == flags and arrived_tuple == is_tuple
+        for value, received in zip(values, arrived):
+            assert (received is None) if value is None else torch.equal(received, value) and received.dtype == value.dtype
+    assert sent == {1: sum(v.numel() * v.element_size() for m in expected for v in m[0] if v is not None)}

@@ -1,9 +1,17 @@
-"""What stages say to each other: a :class:`Tag` naming each message, and the int64 header that carries it.
+"""What stages say to each other: a :class:`Tag` naming each message, the int64 header that carries it, and its frames.
 
-Every message between stages is a fixed-size header followed by its tensors. The header says what
-the message is (a :class:`Tag`: the pass, the backbone call, the micro-batch, the hook that made the
-call and a fingerprint of the batch) and how to rebuild its tensors (dtype, grad flag, shape), so
-that a receiver can check that it gets exactly what it expects; pure, no communication.
+Every message between stages starts with a fixed-size header. The header says what the message is
+(a :class:`Tag`: the pass, the backbone call, the micro-batch, the hook that made the call and a
+fingerprint of the batch) and how to rebuild its tensors (dtype, grad flag, shape), so that a
+receiver can check that it gets exactly what it expects; pure, no communication.
+
+On the wire (:func:`frames`) a message is either one *inline* frame, the header with the tensors'
+bytes packed after it, or the header alone followed by one frame per tensor. Inline frames exist
+because each point-to-point operation costs far more than the bytes it moves on small messages:
+measured between two processes over gloo on loopback, one 256-byte message took 47 us one way and
+a header plus the same tensor 153 us. They need a transport that accepts a message shorter than the
+posted receive buffer (gloo does; NCCL does not), because the receiver cannot know the size before
+the header arrives; the caller decides with ``inline_limit`` (0: never).
 """
 
 from __future__ import annotations
@@ -16,10 +24,29 @@ from torch import Tensor
 
 from lightning_gpipe.engine.failure import PipelineError
 
-__all__ = ["HEADER_LEN", "Message", "Specs", "Tag", "close_header", "decode", "encode"]
+__all__ = [
+    "HEADER_BYTES",
+    "HEADER_LEN",
+    "INLINE_LIMIT",
+    "Message",
+    "Specs",
+    "Tag",
+    "close_header",
+    "decode",
+    "encode",
+    "frames",
+    "inline_values",
+    "is_inline",
+]
 
 HEADER_LEN = 128
-_DATA, _CLOSE = 1, 2
+HEADER_BYTES = HEADER_LEN * 8
+#: The most tensor bytes an inline frame carries. Packing costs a copy on each side (about 20 us for
+#: 256 KiB here), which a saved operation (about 90 us) pays for up to about this size; larger
+#: tensors go in frames of their own, where the header's cost is small beside the transfer.
+INLINE_LIMIT = 256 * 1024
+_ALIGN = 16  # every packed tensor starts at a multiple of the largest element size (complex128)
+_DATA, _CLOSE, _INLINE = 1, 2, 3
 _KINDS = ("forward", "output", "gradient", "input gradient", "skip", "skip gradient")
 _LABEL_FIELDS = 6  # the hook name, up to 48 ASCII characters in 6 int64 fields
 _FIXED = 6 + _LABEL_FIELDS  # type, tuple flag, kind, call, micro-batch, batch fingerprint, label
@@ -95,10 +122,15 @@ def _decode_label(fields: list[int]) -> str:
     return raw.rstrip(b"\0").decode("ascii", "replace")
 
 
-def encode(values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag) -> Tensor:
-    """The fixed-size int64 header that announces a message: its tag, then dtype, grad flag and shape of each tensor."""
+def encode(
+    values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag, inline: bool = False
+) -> Tensor:
+    """The fixed-size int64 header that announces a message: its tag, then dtype, grad flag and shape of each tensor.
+
+    ``inline``: the tensors' bytes follow the header in the same frame (see :func:`frames`).
+    """
     fields = [
-        _DATA,
+        _INLINE if inline else _DATA,
         int(is_tuple),
         _KINDS.index(tag.kind),
         tag.call,
@@ -130,7 +162,7 @@ def decode(header: Tensor) -> Optional[tuple[Specs, Tag, bool]]:
     fields = header.tolist()
     if fields[0] == _CLOSE:
         return None
-    if fields[0] != _DATA or not 0 <= fields[2] < len(_KINDS):
+    if fields[0] not in (_DATA, _INLINE) or not 0 <= fields[2] < len(_KINDS):
         raise PipelineError(f"Received a malformed message header {fields[:8]}...; the stages are out of step.")
     tag = Tag(_KINDS[fields[2]], fields[3], fields[4], _decode_label(fields[6 : 6 + _LABEL_FIELDS]), fields[5])
     specs, pos = [], _FIXED + 1
@@ -147,3 +179,47 @@ def close_header() -> Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0] = _CLOSE
     return header
+
+
+def is_inline(header: Tensor) -> bool:
+    """Whether the message's tensors were packed into the header's frame (else each follows in its own frame)."""
+    return int(header[0]) == _INLINE
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def frames(
+    values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag, inline_limit: int = 0
+) -> list[Tensor]:
+    """What goes on the wire for one message, in order: one inline frame if the tensors fit ``inline_limit``
+    bytes (and are on the CPU), else the header and then each tensor that is not ``None``."""
+    present = [v.detach().contiguous() for v in values if v is not None]
+    sizes = [v.numel() * v.element_size() for v in present]
+    total = sum(_padded(n) for n in sizes)
+    if not inline_limit or total > inline_limit or any(v.device.type != "cpu" for v in present):
+        return [encode(values, requires_grad, is_tuple, tag), *present]
+    frame = torch.empty(HEADER_BYTES + total, dtype=torch.uint8)
+    frame[:HEADER_BYTES].view(torch.int64).copy_(encode(values, requires_grad, is_tuple, tag, inline=True))
+    offset = HEADER_BYTES
+    for value, nbytes in zip(present, sizes):
+        frame[offset : offset + nbytes].copy_(value.reshape(-1).view(torch.uint8))
+        offset += _padded(nbytes)
+    return [frame]
+
+
+def inline_values(frame: Tensor, specs: Specs, device: torch.device) -> list[Optional[Tensor]]:
+    """The tensors an inline ``frame`` carries, copied out (so that the receiver can reuse ``frame``)."""
+    values: list[Optional[Tensor]] = []
+    offset = HEADER_BYTES
+    for dtype, _, shape in specs:
+        if dtype is None:
+            values.append(None)
+            continue
+        value = torch.empty(shape, dtype=dtype, device=device)
+        nbytes = value.numel() * value.element_size()
+        value.reshape(-1).view(torch.uint8).copy_(frame[offset : offset + nbytes])
+        values.append(value)
+        offset += _padded(nbytes)
+    return values
