@@ -13,13 +13,16 @@ Rows, all on the same batch with an SGD step:
 - Lightning's DDP with K processes, each on batch/K samples.
 
 Pipelines run one process per stage with one thread each. The variants run in one set of processes
-per layout, in alternating order over ``--rounds`` rounds; each keeps its fastest round.
-Prints a markdown table per model and writes JSON.
+per layout, in alternating order over ``--rounds`` rounds. The table gives each variant's median step
+over the rounds, and its throughput against the engine's (``never``) as the median of the per-round
+ratios with their spread (min-max): a ratio within one round compares runs that shared the machine's
+state. Prints a markdown table per model and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any, Callable
 
 import _common as C
@@ -191,14 +194,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=C.default_out("peers"))
     C.add_workload_arguments(parser)
     args = parser.parse_args()
     if args.stages < 2:
         parser.error("--stages must be at least 2: the peers are pipelines and data parallelism")
 
-    best: dict[tuple, dict] = {}
+    rounds: dict[tuple, list[dict]] = {}
     for round_ in range(args.rounds):
         runs = [
             lambda: C.launch(pipeline_worker, args.stages, args, round_)[0],
@@ -207,23 +210,38 @@ def main() -> None:
         ]
         for run in runs if round_ % 2 == 0 else runs[::-1]:
             for row in run():
-                key = (row["model"], row["variant"])
-                if key not in best or row["step_s"] < best[key]["step_s"]:
-                    best[key] = row
+                rounds.setdefault((row["model"], row["variant"]), []).append(row)
 
     info = C.machine(args.device)
     print(
-        f"\nPeers at K={args.stages}, M={args.chunks}, batch {args.batch_size}, {args.device}, best of {args.rounds} "
-        f"rounds of {args.steps} steps\n{C.describe_machine(info)}"
+        f"\nPeers at K={args.stages}, M={args.chunks}, batch {args.batch_size}, {args.device}, median of "
+        f"{args.rounds} interleaved rounds of {args.steps} steps (spread: min-max of the rounds)\n"
+        f"{C.describe_machine(info)}"
     )
+    summary = []
     for model in args.models:
-        rows = [r for r in best.values() if r["model"] == model]
-        ours = best[(model, "gpipe engine, checkpoint=never")]["step_s"]
-        alone = best[(model, "one process, 1 thread")]["step_s"]
-        for r in rows:
-            r["samples_per_s"] = args.batch_size / r["step_s"]
-            r["vs_gpipe_never"] = ours / r["step_s"]
-            r["vs_one_thread"] = alone / r["step_s"]
+        ours = [r["step_s"] for r in rounds[(model, "gpipe engine, checkpoint=never")]]
+        alone = [r["step_s"] for r in rounds[(model, "one process, 1 thread")]]
+        rows = []
+        for (name, variant), per_round in rounds.items():
+            if name != model:
+                continue
+            steps = [r["step_s"] for r in per_round]
+            vs_ours = [o / s for o, s in zip(ours, steps)]
+            vs_alone = [a / s for a, s in zip(alone, steps)]
+            rows.append(
+                {
+                    **per_round[0],
+                    "step_s": statistics.median(steps),
+                    "step_s_rounds": steps,
+                    "samples_per_s": args.batch_size / statistics.median(steps),
+                    "vs_gpipe_never": statistics.median(vs_ours),
+                    "vs_gpipe_never_spread": [min(vs_ours), max(vs_ours)],
+                    "vs_one_thread": statistics.median(vs_alone),
+                    "vs_one_thread_spread": [min(vs_alone), max(vs_alone)],
+                }
+            )
+        summary += rows
         print(f"\n{rows[0]['describe']}\n")
         print(
             C.markdown(
@@ -241,14 +259,18 @@ def main() -> None:
                         f"{r['processes']} x {r['threads']}",
                         f"{1e3 * r['step_s']:.1f}",
                         f"{r['samples_per_s']:.1f}",
-                        f"{r['vs_gpipe_never']:.2f}",
-                        f"{r['vs_one_thread']:.2f}",
+                        _spread(r["vs_gpipe_never"], r["vs_gpipe_never_spread"]),
+                        _spread(r["vs_one_thread"], r["vs_one_thread_spread"]),
                     ]
                     for r in sorted(rows, key=lambda r: r["step_s"])
                 ],
             )
         )
-    C.write_json(args.out, {"machine": info, "args": vars(args), "rows": list(best.values())})
+    C.write_json(args.out, {"machine": info, "args": vars(args), "rows": summary})
+
+
+def _spread(median: float, spread: list[float]) -> str:
+    return f"{median:.2f} ({spread[0]:.2f}-{spread[1]:.2f})"
 
 
 if __name__ == "__main__":

@@ -57,8 +57,25 @@ def test_peers_measure_every_alternative_on_the_same_model(tmp_path):
         rows = {r["variant"]: r for r in result["rows"] if r["model"] == model}
         assert set(rows) == variants
         assert rows["gpipe engine, checkpoint=never"]["vs_gpipe_never"] == 1.0
-        assert all(r["step_s"] > 0 for r in rows.values())
+        assert all(r["step_s"] > 0 and len(r["step_s_rounds"]) == 1 for r in rows.values())
+        assert all(r["vs_one_thread_spread"][0] <= r["vs_one_thread"] <= r["vs_one_thread_spread"][1] for r in rows.values())
     assert "torch.distributed.pipelining Schedule1F1B" in output
+
+
+def test_trainer_sets_the_default_balance_and_others_against_one_device_beside_the_ideal(tmp_path):
+    output, result = _run(
+        tmp_path,
+        "trainer",
+        *"--image 16 --batch-size 8 --chunks 2 --warmup 0 --steps 1 --rounds 2 --balance time".split(),
+    )
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert result["ideal"] == pytest.approx(2 * 2 / 3)
+    assert len(rows) == 2 and sum(r["default"] for r in rows.values()) == 1
+    assert "GPipeStrategy(balance='time')" in rows
+    for row in rows.values():  # one speed-up per round, each against that round's one-device step
+        assert len(row["speedup"]) == 2 == len(row["step_ms"]) == len(result["single_ms"])
+        assert row["of_ideal_min"] <= row["of_ideal_median"] <= row["of_ideal_max"]
+    assert "(default)" in output and "of ideal" in output
 
 
 def test_memory_reports_every_mode_and_k_and_the_largest_model_under_the_cap(tmp_path):
