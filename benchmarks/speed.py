@@ -18,14 +18,16 @@ Per K and M it reports:
   and their ratio (the target is >= 0.9 once M >= 4K);
 - GPipe's own measure, throughput over that of K=2 with M=1 (3.48x at K=8, M=32 in the paper).
 
-Each K runs in fresh processes; the Ks alternate over ``--rounds`` rounds and each cell keeps its
-fastest round (a shared machine only ever slows a run down). Prints markdown tables, writes JSON.
+Each K runs in fresh processes; the Ks alternate over ``--rounds`` rounds. Each cell gives the median
+over the rounds; the ratios (speed-up, efficiency, of bound) are medians of per-round ratios, each
+against the same round's K=1, with the spread (min-max) of "of bound". Prints markdown tables, writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 import _common as C
 import torch
@@ -74,7 +76,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=C.default_out("speed"))
     C.add_workload_arguments(parser)
     args = parser.parse_args()
@@ -82,22 +84,27 @@ def main() -> None:
     if 1 not in stages:
         parser.error("--stages must include 1: every figure is normalized to one stage")
 
-    best: dict[tuple, dict] = {}
+    runs: dict[tuple, list[dict]] = {}
     for round_ in range(args.rounds):
         order = stages if round_ % 2 == 0 else stages[::-1]
         for k in order:
             for cell in C.launch(worker, k, args)[0]:
-                key = (cell["model"], k, cell["chunks"])
-                if key not in best or cell["step_s"] < best[key]["step_s"]:
-                    best[key] = cell
+                runs.setdefault((cell["model"], k, cell["chunks"]), []).append(cell)
+    best: dict[tuple, dict] = {}
+    for key, per_round in runs.items():
+        steps = [c["step_s"] for c in per_round]
+        median = statistics.median(steps)
+        best[key] = {**per_round[0], "step_s": median, "step_s_rounds": steps, "samples_per_s": args.batch_size / median}
     cells = list(best.values())
     for cell in cells:
         k, m = cell["stages"], cell["chunks"]
         one = best[(cell["model"], 1, m)]
-        cell["speedup"] = cell["samples_per_s"] / one["samples_per_s"]
+        speedups = [a / b for a, b in zip(one["step_s_rounds"], cell["step_s_rounds"])]  # round by round
+        cell["speedup"] = statistics.median(speedups)
         cell["efficiency"] = cell["speedup"] / k
         cell["bubble_bound"] = 1.0 - bubble_fraction(m, k)  # M / (M + K - 1)
         cell["of_bound"] = cell["efficiency"] / cell["bubble_bound"]
+        cell["of_bound_spread"] = [min(speedups) / k / cell["bubble_bound"], max(speedups) / k / cell["bubble_bound"]]
         if (cell["model"], 1, 1) in best:
             cell["over_k1_m1"] = cell["samples_per_s"] / best[(cell["model"], 1, 1)]["samples_per_s"]
         if (cell["model"], 2, 1) in best:
@@ -106,7 +113,7 @@ def main() -> None:
     info = C.machine(args.device)
     print(
         f"\nThroughput by stages K and micro-batches M, batch {args.batch_size}, checkpoint={args.checkpoint!r}, "
-        f"{args.device}, best of {args.rounds} rounds of {args.steps} steps\n{C.describe_machine(info)}"
+        f"{args.device}, median of {args.rounds} rounds of {args.steps} steps\n{C.describe_machine(info)}"
     )
     for model in args.models:
         rows = []
@@ -117,7 +124,7 @@ def main() -> None:
                 row += [
                     f"{c['speedup']:.2f}x",
                     f"{c['efficiency']:.2f} / {c['bubble_bound']:.2f}",
-                    f"{c['of_bound']:.2f}",
+                    f"{c['of_bound']:.2f} ({c['of_bound_spread'][0]:.2f}-{c['of_bound_spread'][1]:.2f})",
                 ]
             rows.append(row)
         headers = ["M", "K=1 samples/s"]
@@ -134,7 +141,7 @@ def main() -> None:
             )
     print(
         "\nspeed-up: throughput over K=1 with the same M; efficiency: speed-up / K; bound: M/(M+K-1), "
-        "the fill-drain bubble's limit; of bound: efficiency / bound."
+        "the fill-drain bubble's limit; of bound: efficiency / bound (min-max over the rounds)."
     )
     C.write_json(args.out, {"machine": info, "args": vars(args), "stages": stages, "cells": cells})
 
