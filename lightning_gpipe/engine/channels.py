@@ -43,6 +43,8 @@ __all__ = ["Channels", "Inbox", "Link"]
 #: Receives block in a thread for as long as a peer is quiet (validation, a checkpoint write), so the
 #: transport's own timeout is effectively off; the bound on a wait is enforced by Inbox.get instead.
 _FOREVER = timedelta(days=365)
+#: Inline frame buffers a link keeps for reuse: enough for the sends in flight at one time in a fill.
+_SPARE_FRAMES = 4
 
 
 class Link:
@@ -50,30 +52,49 @@ class Link:
 
     def __init__(self, group: dist.ProcessGroup, dst: int, name: str, inline_limit: int = 0) -> None:
         self.group, self.dst, self.name, self.inline_limit = group, dst, name, inline_limit
-        self._pending: list[tuple[dist.Work, Tensor]] = []
+        self._pending: list[tuple[dist.Work, Tensor, Optional[Tensor]]] = []  # (work, frame, its pooled buffer)
+        self._spare: list[Tensor] = []  # inline frame buffers whose sends completed, for reuse (see `frames`)
         self.bytes_sent = 0  # tensor payload so far, headers aside: what a traffic count compares
 
     def send(self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag) -> None:
         """Start sending ``values``; the tensors are kept alive until they are delivered."""
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        for frame in frames(values, requires_grad, is_tuple, tag, self.inline_limit):
-            self._isend(frame)
+        self._reclaim(wait=False)
+        buffer = None
+        if self.inline_limit:
+            buffer = self._spare.pop() if self._spare else torch.empty(HEADER_BYTES + self.inline_limit, dtype=torch.uint8)
+        out = frames(values, requires_grad, is_tuple, tag, self.inline_limit, buffer)
+        pooled = buffer if out[0].dtype == torch.uint8 else None
+        if buffer is not None and pooled is None:
+            self._spare.append(buffer)
+        for frame in out:
+            self._isend(frame, pooled)
         self.bytes_sent += sum(v.numel() * v.element_size() for v in values if v is not None)
 
-    def _isend(self, tensor: Tensor) -> None:
+    def _isend(self, tensor: Tensor, pooled: Optional[Tensor] = None) -> None:
         work = dist.isend(tensor, self.dst, group=self.group)
         if work is None:  # torch's answer for a rank outside the group
             raise PipelineError(f"Cannot send to {self.name}: this rank is not in the pair's process group.")
-        self._pending.append((work, tensor))
+        self._pending.append((work, tensor, pooled))
+
+    def _reclaim(self, wait: bool) -> None:
+        """Drop finished sends (all of them, waiting, with ``wait``); their pooled buffers become spare."""
+        pending = []
+        try:
+            for work, tensor, pooled in self._pending:
+                if wait:
+                    work.wait()
+                elif not work.is_completed():
+                    pending.append((work, tensor, pooled))
+                    continue
+                if pooled is not None and len(self._spare) < _SPARE_FRAMES:
+                    self._spare.append(pooled)
+        except RuntimeError as error:  # the transport's error says which address failed, not which stage
+            raise PipelineError(f"Lost the connection to {self.name}: {error}") from error
+        self._pending = pending
 
     def flush(self) -> None:
         """Wait until everything sent so far has been received."""
-        try:
-            for work, _ in self._pending:
-                work.wait()
-        except RuntimeError as error:  # the transport's error says which address failed, not which stage
-            raise PipelineError(f"Lost the connection to {self.name}: {error}") from error
-        self._pending.clear()
+        self._reclaim(wait=True)
 
     def close(self) -> None:
         """Tell the peer's inbox that no more messages come."""
