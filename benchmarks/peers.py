@@ -223,7 +223,7 @@ def main() -> None:
         ours = [r["step_s"] for r in rounds[(model, "gpipe engine, checkpoint=never")]]
         alone = [r["step_s"] for r in rounds[(model, "one process, 1 thread")]]
         rows = []
-        for (name, variant), per_round in rounds.items():
+        for (name, _variant), per_round in rounds.items():
             if name != model:
                 continue
             steps = [r["step_s"] for r in per_round]

@@ -94,7 +94,12 @@ def main() -> None:
     for key, per_round in runs.items():
         steps = [c["step_s"] for c in per_round]
         median = statistics.median(steps)
-        best[key] = {**per_round[0], "step_s": median, "step_s_rounds": steps, "samples_per_s": args.batch_size / median}
+        best[key] = {
+            **per_round[0],
+            "step_s": median,
+            "step_s_rounds": steps,
+            "samples_per_s": args.batch_size / median,
+        }
     cells = list(best.values())
     for cell in cells:
         k, m = cell["stages"], cell["chunks"]

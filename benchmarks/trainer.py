@@ -147,7 +147,8 @@ def main() -> None:
         )
     )
     C.write_json(
-        args.out, {"machine": info, "args": vars(args), "ideal": ideal, "single_ms": [1e3 * s for s in single], "rows": rows}
+        args.out,
+        {"machine": info, "args": vars(args), "ideal": ideal, "single_ms": [1e3 * s for s in single], "rows": rows},
     )
 
 

@@ -45,6 +45,7 @@ from lightning_gpipe._lightning import (
     with_finetuning_group_names,
 )
 from lightning_gpipe._subclass import copy_as
+from lightning_gpipe.balancing.check import BalanceCheck, ComputeTally, compare
 from lightning_gpipe.balancing.plan.auto import AUTO, AutoChoice, choose
 from lightning_gpipe.balancing.plan.link import LinkModel, measure_link
 from lightning_gpipe.balancing.profiling import COST_KINDS, LayerCosts, profile_layers
@@ -82,6 +83,10 @@ from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 __all__ = ["GPipeStrategy"]
 
 _runs = itertools.count()  # names each run's failure board; every rank counts its runs the same way
+
+
+#: The training batches the balance check times: batches _CHECK_FROM to _CHECK_FROM + _CHECK_STEPS - 1.
+_CHECK_FROM, _CHECK_STEPS = 2, 4
 
 
 class GPipeStrategy(ParallelStrategy):
@@ -187,7 +192,7 @@ class GPipeStrategy(ParallelStrategy):
         if max_memory is not None and not max_memory > 0:
             raise ValueError(f"`max_memory` must be a positive number of bytes per device, got {max_memory!r}.")
         #: What the user asked for; ``chunks``, ``checkpoint`` and ``balance`` hold what runs (the plan's, if "auto").
-        self.requested = (balance, chunks, checkpoint)
+        self.requested = ("time" if balance is None else balance, chunks, checkpoint)
         self.max_memory = max_memory
         self.auto_choice: Optional[AutoChoice] = None
         if not isinstance(backbone, str) or not backbone:
@@ -212,6 +217,12 @@ class GPipeStrategy(ParallelStrategy):
         self.pipe: Optional[GPipe] = None
         self._mesh: Optional[Any] = None  # the (dp, pp) DeviceMesh
         self.layer_costs: Optional[LayerCosts] = None  # what balance="time" or "memory" measured, per layer
+        #: The profiled split checked against training steps 2 to 5 (see :mod:`lightning_gpipe.balancing.check`);
+        #: set on every rank after step 5 when the split came from a profile, ``None`` before or otherwise.
+        self.balance_check: Optional[BalanceCheck] = None
+        self._check_costs: Optional[list[float]] = None  # the profiled time per layer, until the check ran
+        self._tally: Optional[ComputeTally] = None
+        self._train_batches = 0
         self._board: Optional[FailureBoard] = None
         self._failed = False
         #: After a pipelined run, each rank's optimizers still hold only their stage's state (see ``optimizer_state``).
@@ -405,6 +416,7 @@ class GPipeStrategy(ParallelStrategy):
                 self.balance = "params"
                 return self._choose_balance(sequential, stages)
             balance = optimal_balance(self.layer_costs.of(self.balance), stages)
+            self._check_costs = list(self.layer_costs.time) if stages > 1 else None
         costs = self.layer_costs
         one = self._default_balance and stages == 1 and self.balance == "time"
         how = "the default balance (one stage: nothing to measure)" if one else f"balance={self.balance!r}"
@@ -746,9 +758,40 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_idx = batch_idx
+        self._check_balance()
         for loader in self._loaders:  # resumed mid-epoch: go on as if never stopped
             if hasattr(loader, "restore_random_state"):
                 loader.restore_random_state()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._tally is not None:  # the check compares training steps
+            self._tally.paused = True
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self._tally is not None:
+            self._tally.paused = False
+
+    def _check_balance(self) -> None:
+        """Time each stage's compute in training batches 2 to 5 (0 and 1 warm up: allocations, lazy setup),
+        then compare with the profile on every rank and log the verdict on rank 0; collective, once."""
+        if self._check_costs is None or self.pipe is None or self.failed:
+            return
+        batch, self._train_batches = self._train_batches, self._train_batches + 1
+        if batch == _CHECK_FROM:
+            self._tally = ComputeTally(self.root_device, self.pipe.tracer)  # passes reports on to a monitor's timer
+            self.pipe.tracer = self._tally
+        elif batch == _CHECK_FROM + _CHECK_STEPS and self._tally is not None:
+            tally, self._tally, costs, self._check_costs = self._tally, None, self._check_costs, None
+            if self.pipe.tracer is tally:
+                self.pipe.tracer = tally.inner
+            times = self.pipe.gather(tally.seconds(), to_all=True)
+            assert times is not None
+            self.balance_check = compare(costs, list(self.pipe.balance), times, steps=_CHECK_STEPS)
+            (rank_zero_warn if self.balance_check.wrong else rank_zero_info)(self.balance_check.message())
 
     # -- checkpoints -------------------------------------------------------------------------------------
 

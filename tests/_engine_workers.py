@@ -91,7 +91,11 @@ def wire_messages() -> list[tuple]:
     return [
         ((torch.randn(3, 5, generator=generator),), [True], False),
         ((torch.tensor(2.5), None, torch.zeros(0, 4), torch.tensor([True, False, True])), [False] * 4, True),
-        ((torch.randn(7, generator=generator).to(torch.complex128), torch.arange(5, dtype=torch.int16)), [False] * 2, True),
+        (
+            (torch.randn(7, generator=generator).to(torch.complex128), torch.arange(5, dtype=torch.int16)),
+            [False] * 2,
+            True,
+        ),
         ((big, torch.randn(2, 2, generator=generator)), [True, False], True),
         ((torch.randn(2, 3, generator=generator).to(torch.bfloat16),), [False], False),
     ]

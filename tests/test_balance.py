@@ -137,8 +137,7 @@ def test_predict_profiles_on_the_predict_dataloader_through_predict_step(caplog)
     torch.testing.assert_close(torch.cat(predictions), expected, atol=1e-6, rtol=0)
 
 
-def test_the_default_balance_is_by_time_and_falls_back_to_params_with_a_warning_when_no_sample_can_be_taken(
-):
+def test_the_default_balance_is_by_time_and_falls_back_to_params_with_a_warning_when_no_sample_can_be_taken():
     strategy = GPipeStrategy()
     assert (strategy.balance, strategy._default_balance) == ("time", True)
     # a backbone that gives no sample: the explicit "time" refuses it (above); the default warns and uses params

@@ -58,7 +58,9 @@ def test_peers_measure_every_alternative_on_the_same_model(tmp_path):
         assert set(rows) == variants
         assert rows["gpipe engine, checkpoint=never"]["vs_gpipe_never"] == 1.0
         assert all(r["step_s"] > 0 and len(r["step_s_rounds"]) == 1 for r in rows.values())
-        assert all(r["vs_one_thread_spread"][0] <= r["vs_one_thread"] <= r["vs_one_thread_spread"][1] for r in rows.values())
+        assert all(
+            r["vs_one_thread_spread"][0] <= r["vs_one_thread"] <= r["vs_one_thread_spread"][1] for r in rows.values()
+        )
     assert "torch.distributed.pipelining Schedule1F1B" in output
 
 

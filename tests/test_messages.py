@@ -118,9 +118,13 @@ def test_messages_of_every_framing_cross_a_real_gloo_pair_unchanged():
     (sent,), got = run_ok(wire_round_trip, 2, timeout=120)
     expected = wire_messages()
     assert len(got) == len(expected)
-    for micro, ((values, flags, is_tuple), (arrived, arrived_flags, arrived_tuple, tag)) in enumerate(zip(expected, got)):
+    for micro, ((values, flags, is_tuple), (arrived, arrived_flags, arrived_tuple, tag)) in enumerate(
+        zip(expected, got)
+    ):
         assert tag == Tag("forward", 4, micro, "training_step", batch=77)
         assert list(arrived_flags) == flags and arrived_tuple == is_tuple
         for value, received in zip(values, arrived):
-            assert (received is None) if value is None else torch.equal(received, value) and received.dtype == value.dtype
+            assert (
+                (received is None) if value is None else torch.equal(received, value) and received.dtype == value.dtype
+            )
     assert sent == {1: sum(v.numel() * v.element_size() for m in expected for v in m[0] if v is not None)}

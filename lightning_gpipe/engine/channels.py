@@ -61,7 +61,9 @@ class Link:
         self._reclaim(wait=False)
         buffer = None
         if self.inline_limit:
-            buffer = self._spare.pop() if self._spare else torch.empty(HEADER_BYTES + self.inline_limit, dtype=torch.uint8)
+            buffer = (
+                self._spare.pop() if self._spare else torch.empty(HEADER_BYTES + self.inline_limit, dtype=torch.uint8)
+            )
         out = frames(values, requires_grad, is_tuple, tag, self.inline_limit, buffer)
         pooled = buffer if out[0].dtype == torch.uint8 else None
         if buffer is not None and pooled is None:
