@@ -146,6 +146,9 @@ class GPipeStrategy(ParallelStrategy):
         deferred_batch_norm: replace the backbone's BatchNorm layers by
             :class:`~lightning_gpipe.DeferredBatchNorm`, whose running statistics cover the whole batch
             instead of moving once per micro-batch.
+        split_backward: compute each micro-batch's input gradient first in the drain and send it, then the
+            weight gradients (see :class:`~lightning_gpipe.GPipe`); the same results. Off by default: on
+            the CPU its extra autograd calls cost more than the earlier input gradient saves.
     """
 
     strategy_name = "gpipe"
@@ -165,6 +168,7 @@ class GPipeStrategy(ParallelStrategy):
         failure_timeout: float = 30.0,
         state_dict_type: Literal["full", "sharded"] = "full",
         deferred_batch_norm: bool = False,
+        split_backward: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -202,6 +206,9 @@ class GPipeStrategy(ParallelStrategy):
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"`state_dict_type` must be 'full' or 'sharded', got {state_dict_type!r}.")
         #: ``balance=None``: "time", by default (see ``_choose_balance``)
+        if not isinstance(split_backward, bool):
+            raise TypeError(f"`split_backward` must be True or False, got {split_backward!r}.")
+        self.split_backward = split_backward
         self._default_balance = balance is None
         self.balance: Union[Sequence[int], str] = "time" if balance is None else balance
         self.backbone = backbone
@@ -375,6 +382,7 @@ class GPipeStrategy(ParallelStrategy):
             timeout=self.timeout,
             board=self._board,
             mesh=self._mesh,
+            split_backward=self.split_backward,
         )
         pipe.ties.prefix = self.backbone + "."
         setattr(owner, name, pipe)

@@ -71,11 +71,15 @@ class Case:
     checkpoint: str
     dropout: float = 0.0
     unet: bool = False
+    split: bool = False  # GPipe(split_backward=True): input gradients first in the drain
 
     @property
     def name(self) -> str:
         kind = "unet" if self.unet else "mix"
-        return f"{kind} balance={list(self.balance)} chunks={self.chunks} {self.checkpoint} dropout={self.dropout}"
+        split = " split" if self.split else ""
+        return (
+            f"{kind} balance={list(self.balance)} chunks={self.chunks} {self.checkpoint} dropout={self.dropout}{split}"
+        )
 
 
 def build(case: Case) -> nn.Sequential:
@@ -129,9 +133,11 @@ def reference(case: Case) -> dict[str, Any]:
 
 
 def pipeline(case: Case) -> dict[str, Any]:
-    pipe = GPipe(build(case), list(case.balance), chunks=case.chunks, checkpoint=case.checkpoint)
+    pipe = GPipe(
+        build(case), list(case.balance), chunks=case.chunks, checkpoint=case.checkpoint, split_backward=case.split
+    )
     try:
-        return train(case, pipe)
+        return {**train(case, pipe), "split_passes": pipe.runner.split_passes}
     finally:
         pipe.close()
 

@@ -47,6 +47,12 @@ EXTRAS = [
     Config("bf16-mixed", strategy=(("chunks", 2),), trainer=(("precision", "bf16-mixed"),)),
     Config("balance=time", model=(("stem", True),), strategy=(("chunks", 2), ("balance", "time"))),
     Config("balance=memory", strategy=(("chunks", 3), ("balance", "memory"))),
+    Config(
+        "split backward with Adam and clipping",
+        model=(("optimizer", "adam"),),
+        strategy=(("chunks", 3), ("split_backward", True)),
+        trainer=(("gradient_clip_val", 0.05),),
+    ),
 ]
 
 #: Dropout in the backbone and in the head: compared across K, not with a run without the package.

@@ -71,9 +71,16 @@ def test_every_chunks_checkpoint_mode_and_optimizer_matches_one_device(stages, p
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize(
-    "name", ["stem before the backbone", "norm clipping", "gradient accumulation", "explicit uneven balance"]
+    "name",
+    [
+        "stem before the backbone",
+        "norm clipping",
+        "gradient accumulation",
+        "explicit uneven balance",
+        "split backward with Adam and clipping",
+    ],
 )
-def test_layers_outside_the_backbone_clipping_accumulation_and_uneven_splits_match_one_device(
+def test_layers_outside_the_backbone_clipping_accumulation_uneven_splits_and_the_split_drain_match_one_device(
     stages, name, pipeline_runs, reference_run
 ):
     config = next(c for c in _sweeps.EXTRAS if c.name == name)

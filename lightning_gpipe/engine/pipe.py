@@ -89,6 +89,10 @@ class GPipe(nn.Module):
         board: where failures are published; by default one on the default process group's store.
         mesh: the ``(dp, pp)`` DeviceMesh of ``layout`` (see :func:`make_mesh`); by default one is made
             (a collective) and freed at :meth:`close`.
+        split_backward: in the drain, compute each micro-batch's input gradient first and send it, then
+            the weight gradients (:mod:`lightning_gpipe.engine.split_backward`). Same results; off by
+            default because on the CPU its extra autograd calls cost more than it saves
+            (``docs/benchmarks.md``).
     """
 
     def __init__(
@@ -104,8 +108,11 @@ class GPipe(nn.Module):
         timeout: float = 1800.0,
         board: Optional[FailureBoard] = None,
         mesh: Optional[DeviceMesh] = None,
+        split_backward: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(split_backward, bool):
+            raise TypeError(f"`split_backward` must be True or False, got {split_backward!r}.")
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
         rank = dist.get_rank() if distributed.is_distributed() else 0
@@ -156,6 +163,7 @@ class GPipe(nn.Module):
         )
         self.ties = TiedCopies(module, ties, self.stage, layout, rank, self.device)  # collective with ties
         self.runner.after_drain = self.ties.after_drain
+        self.runner.split_backward = split_backward
         if self.replica_group is not None:
             tied = self.ties.excluded()  # their replica average is part of the tie's sum
             self.runner.grad_sync = GradientSync(

@@ -28,6 +28,7 @@ from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
 from lightning_gpipe.engine.schedule import fill_drain
 from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
 from lightning_gpipe.engine.skip.traffic import Bundles
+from lightning_gpipe.engine.split_backward import WeightPass, inputs_first
 from lightning_gpipe.engine.tracer import Tracer, span
 
 __all__ = ["StageRunner"]
@@ -86,6 +87,9 @@ class StageRunner:
         self.channels, self.chunks, self.checkpoint = channels, chunks, checkpoint
         self.device, self.seed = device, seed
         self.skips = skips or StageSkips()  # the skip connections to and from other stages
+        #: Input gradients first in the drain (see :mod:`lightning_gpipe.engine.split_backward`).
+        self.split_backward = False
+        self.split_passes = 0  # micro-batch backwards that ran split (the others ran whole)
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
@@ -318,8 +322,13 @@ class StageRunner:
                     pairs += [(o, d) for o, d in zip(sent, skip_grads) if d is not None and o.requires_grad]
             if i == 0 and self.grad_sync is not None:  # the last backward: gradients become final in it
                 self.grad_sync.arm()
+            weights: Optional[WeightPass] = None
             with self._span("backward", i):
-                if pairs:
+                if pairs and self.split_backward and not self.is_first:  # the first stage: nobody waits
+                    received_leaves = [t for bundle in (run.skips_in[i] or {}).values() for t in bundle]
+                    needing = [t for t in (*microbatch.tensors(run.inputs[i]), *received_leaves) if t.requires_grad]
+                    weights = inputs_first([o for o, _ in pairs], [d for _, d in pairs], needing)
+                if pairs and weights is None:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
                 leaves = microbatch.tensors(run.inputs[i])
                 dx = tuple(
@@ -335,6 +344,10 @@ class StageRunner:
                     grads = self.skips.input_grads(received, src)
                     tag = Tag("skip gradient", run.call, i, run.label)
                     self._send(self.ranks[src], grads, [False] * len(grads), True, tag)
+            if weights is not None:  # the weight gradients, while the previous stage works on the input gradient
+                with self._span("backward", i):
+                    weights()
+                self.split_passes += 1
             input_grads[i] = dx
             run.inputs[i] = run.outputs[i] = run.buffers[i] = run.skips_in[i] = run.skips_out[i] = None
         return self._input_grads(run, input_grads)

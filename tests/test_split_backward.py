@@ -1,0 +1,125 @@
+"""Input gradients first in the drain (``split_backward=True``): the same training as one device, activation
+gradients computed once."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import _skip_workers as S
+import pytest
+import torch
+from test_skip_fidelity import _assert_same
+from torch import nn
+
+from lightning_gpipe import GPipe, GPipeStrategy
+from lightning_gpipe.engine.split_backward import inputs_first
+from lightning_gpipe.launch import run_ok
+
+
+class Odd(nn.Module):
+    """Parameters in the awkward places: added on the input path, one weight used twice, a parameter-only branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(8))
+        self.shared = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.pos
+        x = self.shared(torch.tanh(self.shared(x)))
+        return x * self.scale + self.pos.sum() * 0.1
+
+
+class Counted(torch.autograd.Function):
+    """The identity, counting its backward calls: an activation gradient on the input path."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        Counted.calls += 1
+        return grad
+
+
+def _grads(net: nn.Module, split: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    y = net(x)
+    g = torch.ones_like(y) * torch.arange(3.0)
+    if split:
+        weights = inputs_first([y], [g], [x])
+        assert weights is not None and x.grad is not None
+        assert all(p.grad is None for p in net.parameters())  # the first pass leaves the parameters alone
+        weights()
+    else:
+        torch.autograd.backward([y], [g])
+    assert x.grad is not None
+    return x.grad, {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+
+
+def test_the_two_passes_give_every_gradient_of_the_whole_backward_and_run_the_input_path_once():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), Odd(), nn.LayerNorm(8), nn.Linear(8, 3))
+    whole_x, whole = _grads(copy.deepcopy(net), split=False)
+    split_x, split = _grads(copy.deepcopy(net), split=True)
+    torch.testing.assert_close(split_x, whole_x, atol=1e-6, rtol=0)
+    assert set(split) == set(whole) == {n for n, _ in net.named_parameters()}
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=0)
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            return Counted.apply(x)
+
+    probed = nn.Sequential(nn.Linear(4, 8), Probe(), nn.Tanh(), nn.Linear(8, 3))
+    Counted.calls = 0
+    _grads(probed, split=True)
+    assert Counted.calls == 1  # the weight pass starts below it: activation gradients are not recomputed
+
+
+def test_a_stage_whose_inputs_need_no_gradient_is_not_split():
+    net = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    assert inputs_first([net(x)], [torch.ones(2, 3)], []) is None
+
+
+def test_split_backward_must_be_a_bool():
+    with pytest.raises(TypeError, match="`split_backward` must be True or False, got 'yes'"):
+        GPipe(nn.Sequential(nn.Linear(2, 2)), split_backward="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`split_backward` must be True or False"):
+        GPipeStrategy(split_backward=1)  # type: ignore[arg-type]
+
+
+def cases(stages: int) -> list[S.Case]:
+    """Chunks 1 and 3 in every checkpoint mode (keep:1 included) on the skip layout, the lopsided balance,
+    dropout, and the U-Net (skips across stages), all with the split drain."""
+    main, lopsided = (tuple(b) for b in S.BALANCES[stages][:2])
+    modes = ["always", "except_last", "never", "keep:1"]
+    found = [S.Case(main, c, m, split=True) for c, m in itertools.product([1, 3], modes)]
+    found += [S.Case(lopsided, 3, "except_last", split=True), S.Case(main, 3, "never", dropout=0.3, split=True)]
+    found += [S.Case(tuple(S.UNET_BALANCES[stages]), 3, m, unet=True, split=True) for m in ("never", "except_last")]
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {k: run_ok(S.sweep, k, cases(k), timeout=600) for k in (2, 3)}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_split_drain_trains_as_one_device_in_every_mode_with_skips_and_dropout(stages, runs):
+    for case in cases(stages):
+        whole = (14,) if case.unet else (9,)
+        if case.dropout:  # the masks of pipeline-1 with the same chunks
+            reference = S.pipeline(S.Case(whole, case.chunks, case.checkpoint, dropout=case.dropout))
+        else:
+            reference = S.reference(S.Case(whole, case.chunks, case.checkpoint, unet=case.unet))
+        _assert_same(runs[stages], case.name, reference)
+        # every later stage ran its backwards split (S.STEPS steps, min(chunks, batch) micro-batches); the first none
+        passes = [rank[case.name]["split_passes"] for rank in runs[stages]]
+        assert passes[0] == 0 and all(p == S.STEPS * case.chunks for p in passes[1:]), passes
