@@ -6,7 +6,8 @@
 Rows, all on the same batch with an SGD step:
 
 - ``gpipe`` engine (``GPipe``, no Lightning) with ``checkpoint="never"`` (like for like with
-  ``torch.distributed.pipelining``, which does not re-materialize) and with the default
+  ``torch.distributed.pipelining``, which does not re-materialize), the same with
+  ``split_backward=True`` (input gradients first in the drain), and with the default
   ``"except_last"``; and ``Trainer(strategy=GPipeStrategy(...))``;
 - ``torch.distributed.pipelining`` ``ScheduleGPipe`` and ``Schedule1F1B``, on the same split;
 - one process holding the whole model, with 1 thread and with K threads (no micro-batching);
@@ -104,16 +105,18 @@ def pipeline_worker(rank: int, world: int, args: argparse.Namespace, round_: int
     for workload in C.workloads(args.models, args):
         split = C.pipeline_balance(workload, world, max(1, args.batch_size // args.chunks), device)
         variants: list[tuple[str, Callable[[], float]]] = []
-        for mode in ("never", "except_last"):
+        for mode, split_backward in (("never", False), ("never", True), ("except_last", False)):
 
-            def engine(mode: str = mode) -> float:
+            def engine(mode: str = mode, split_backward: bool = split_backward) -> float:
                 pipe, step = C.gpipe_step(workload, args.chunks, mode, args.batch_size, device, split)
+                pipe.runner.split_backward = split_backward
                 try:
                     return C.step_seconds(step, device, args.warmup, args.steps)
                 finally:
                     pipe.close()
 
-            variants.append((f"gpipe engine, checkpoint={mode}", engine))
+            name = f"gpipe engine, checkpoint={mode}" + (", split backward" if split_backward else "")
+            variants.append((name, engine))
         variants.append(
             (
                 "gpipe Trainer, checkpoint=except_last",

@@ -54,14 +54,14 @@ def conv_workload(image: int = 32) -> C.Workload:
     return C.Workload("vgg", f"VGG-style conv stack (32-256 channels), {image}x{image} images", build, batch)
 
 
-def default_balance() -> str:
+def default_balance() -> Any:
     """``GPipeStrategy``'s default ``balance``, read from its signature so that the row names what ran."""
     from lightning_gpipe import GPipeStrategy
 
-    return str(inspect.signature(GPipeStrategy).parameters["balance"].default)
+    return inspect.signature(GPipeStrategy).parameters["balance"].default
 
 
-def pipeline_worker(rank: int, world: int, args: argparse.Namespace, balances: list[str]) -> list[dict]:
+def pipeline_worker(rank: int, world: int, args: argparse.Namespace, balances: list[Any]) -> list[dict]:
     from lightning_gpipe import GPipeStrategy
 
     device = torch.device("cpu")

@@ -110,9 +110,9 @@ class GPipeStrategy(ParallelStrategy):
             split the planner predicts fastest (see ``chunks="auto"``). ``None`` (the default) is
             ``"time"`` with two differences: one stage is not profiled (there is nothing to split), and
             a backbone that gives no sample micro-batch is split by ``"params"`` with a warning instead
-            of an error. Time is the default because parameter count says little about compute: on a
-            VGG-style conv stack (``benchmarks/trainer.py``) the ``"params"`` split ran at 0.56 of the
-            ideal speed-up and the ``"time"`` split at 0.67. The split never changes the results.
+            of an error. Time is the default because parameter count says little about compute (a
+            convolution's cost grows with its feature map, its parameters do not); the measured effect
+            is in ``docs/benchmarks.md``. The split never changes the results.
         chunks: micro-batches per batch (``M``); a batch of fewer samples (a short last batch, a
             validation batch of 1) gets one micro-batch per sample. Results do not depend on the number
             of stages; with random layers (dropout) they do depend on ``chunks``, which keys the random

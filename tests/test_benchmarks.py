@@ -45,6 +45,7 @@ def test_peers_measure_every_alternative_on_the_same_model(tmp_path):
     output, result = _run(tmp_path, "peers", *TINY, "--stages", "2", "--chunks", "2", "--rounds", "1")
     variants = {
         "gpipe engine, checkpoint=never",
+        "gpipe engine, checkpoint=never, split backward",
         "gpipe engine, checkpoint=except_last",
         "gpipe Trainer, checkpoint=except_last",
         "torch.distributed.pipelining ScheduleGPipe",
