@@ -100,19 +100,17 @@ class GPipeStrategy(ParallelStrategy):
     Args:
         balance: how to split the backbone: layers per stage (one entry per stage), or the cost whose
             largest stage the split minimizes (exactly, see :func:`lightning_gpipe.balance`):
-            ``"params"`` (parameter count, nothing is run), ``"time"`` (forward plus backward of each
+            ``"params"`` (the default: parameter count, nothing is run), ``"time"`` (forward plus backward of each
             layer on the device, a trimmed mean of 5 repeats) or ``"memory"`` (parameter,
             gradient and Adam-like optimizer-state bytes plus the activations one micro-batch saves).
             ``"time"`` and ``"memory"`` profile the layers one at a time on global rank 0, on one
             micro-batch of the first batch of the dataloader (run through ``training_step`` up to the
             backbone), or of ``example_input_array`` (run through ``forward``) when that fails; the
-            split is broadcast to every rank. The chosen split is logged on rank 0. ``"auto"``: the
-            split the planner predicts fastest (see ``chunks="auto"``). ``None`` (the default) is
-            ``"time"`` with two differences: one stage is not profiled (there is nothing to split), and
-            a backbone that gives no sample micro-batch is split by ``"params"`` with a warning instead
-            of an error. Time is the default because parameter count says little about compute (a
-            convolution's cost grows with its feature map, its parameters do not); the measured effect
-            is in ``docs/benchmarks.md``. The split never changes the results.
+            split is broadcast to every rank. The code of ``training_step`` before the backbone call
+            runs once more for the sample (a metric updated there counts that batch once more): set
+            ``example_input_array`` and move such code after the call, or give a list, where that
+            matters. The chosen split is logged on rank 0. ``"auto"``: the
+            split the planner predicts fastest (see ``chunks="auto"``).
         chunks: micro-batches per batch (``M``); a batch of fewer samples (a short last batch, a
             validation batch of 1) gets one micro-batch per sample. Results do not depend on the number
             of stages; with random layers (dropout) they do depend on ``chunks``, which keys the random
@@ -155,7 +153,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        balance: Union[Sequence[int], Literal["params", "time", "memory", "auto"], None] = None,
+        balance: Union[Sequence[int], Literal["params", "time", "memory", "auto"]] = "params",
         chunks: Union[int, Literal["auto"]] = 4,
         checkpoint: str = "except_last",
         max_memory: Optional[float] = None,
@@ -196,7 +194,7 @@ class GPipeStrategy(ParallelStrategy):
         if max_memory is not None and not max_memory > 0:
             raise ValueError(f"`max_memory` must be a positive number of bytes per device, got {max_memory!r}.")
         #: What the user asked for; ``chunks``, ``checkpoint`` and ``balance`` hold what runs (the plan's, if "auto").
-        self.requested = ("time" if balance is None else balance, chunks, checkpoint)
+        self.requested = (balance, chunks, checkpoint)
         self.max_memory = max_memory
         self.auto_choice: Optional[AutoChoice] = None
         if not isinstance(backbone, str) or not backbone:
@@ -205,12 +203,10 @@ class GPipeStrategy(ParallelStrategy):
             raise ValueError(f"`pipe_size` must be a positive integer, got {pipe_size!r}.")
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"`state_dict_type` must be 'full' or 'sharded', got {state_dict_type!r}.")
-        #: ``balance=None``: "time", by default (see ``_choose_balance``)
         if not isinstance(split_backward, bool):
             raise TypeError(f"`split_backward` must be True or False, got {split_backward!r}.")
         self.split_backward = split_backward
-        self._default_balance = balance is None
-        self.balance: Union[Sequence[int], str] = "time" if balance is None else balance
+        self.balance = balance
         self.backbone = backbone
         self.chunks: int = chunks if isinstance(chunks, int) else 1  # "auto": set by the plan at setup
         self.checkpoint: str = checkpoint if checkpoint != AUTO else "except_last"
@@ -409,27 +405,15 @@ class GPipeStrategy(ParallelStrategy):
         self.layer_costs = None
         if not isinstance(self.balance, str):
             balance = validate_balance(self.balance, len(sequential), stages)
-        elif self.balance == "params" or (self._default_balance and stages == 1):
+        elif self.balance == "params":
             balance = balance_by_params(sequential, stages)
         else:
-            try:
-                self.layer_costs = self._measure_costs(sequential)
-            except ValueError as error:  # raised alike on every rank (see _from_rank_zero)
-                if not self._default_balance or "sample micro-batch" not in str(error):
-                    raise
-                rank_zero_warn(
-                    f"{error} The default balance (None: by measured time) splits by parameter count instead; pass "
-                    "balance='params' or a list of layers per stage to choose that and silence this warning."
-                )
-                self.balance = "params"
-                return self._choose_balance(sequential, stages)
+            self.layer_costs = self._measure_costs(sequential)
             balance = optimal_balance(self.layer_costs.of(self.balance), stages)
             self._check_costs = list(self.layer_costs.time) if stages > 1 else None
         costs = self.layer_costs
-        one = self._default_balance and stages == 1 and self.balance == "time"
-        how = "the default balance (one stage: nothing to measure)" if one else f"balance={self.balance!r}"
         rank_zero_info(
-            f"GPipe split of `{self.backbone}` into {stages} stage{'s' * (stages > 1)} by {how}:\n"
+            f"GPipe split of `{self.backbone}` into {stages} stage{'s' * (stages > 1)} by balance={self.balance!r}:\n"
             + split_table(
                 balance, parameter_costs(sequential), costs.time if costs else None, costs.memory if costs else None
             )

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from test_fidelity import assert_same_training
 
 from lightning_gpipe import GPipeStrategy, balance
-from lightning_gpipe.engine.partition import balance_by_params
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -135,23 +134,3 @@ def test_predict_profiles_on_the_predict_dataloader_through_predict_step(caplog)
     with torch.no_grad():
         expected = torch.cat([model(x) for x, _ in M.loader(batch_size=10, shuffle=False)])
     torch.testing.assert_close(torch.cat(predictions), expected, atol=1e-6, rtol=0)
-
-
-def test_the_default_balance_is_by_time_and_falls_back_to_params_with_a_warning_when_no_sample_can_be_taken():
-    strategy = GPipeStrategy()
-    assert (strategy.balance, strategy._default_balance) == ("time", True)
-    # a backbone that gives no sample: the explicit "time" refuses it (above); the default warns and uses params
-    sequential = M.Net().backbone
-    strategy._measure_costs = lambda seq: (_ for _ in ()).throw(  # type: ignore[method-assign]
-        ValueError("Profiling the backbone (balance='time' or 'memory') needs a sample micro-batch, but none ...")
-    )
-    with pytest.warns(UserWarning, match=r"needs a sample micro-batch.*splits by parameter count instead"):
-        split = strategy._choose_balance(sequential, 2)
-    assert split == balance_by_params(sequential, 2) and strategy.balance == "params"
-    explicit = GPipeStrategy(balance="time")
-    explicit._measure_costs = strategy._measure_costs  # type: ignore[method-assign]
-    with pytest.raises(ValueError, match="needs a sample micro-batch"):
-        explicit._choose_balance(sequential, 2)
-    # one stage: nothing to split, so the default measures nothing
-    one = GPipeStrategy()
-    assert one._choose_balance(sequential, 1) == [len(sequential)] and one.layer_costs is None
