@@ -7,6 +7,7 @@ import copy
 import itertools
 
 import _skip_workers as S
+import _split_workers as W
 import pytest
 import torch
 from test_skip_fidelity import _assert_same
@@ -123,3 +124,54 @@ def test_the_split_drain_trains_as_one_device_in_every_mode_with_skips_and_dropo
         # every later stage ran its backwards split (S.STEPS steps, min(chunks, batch) micro-batches); the first none
         passes = [rank[case.name]["split_passes"] for rank in runs[stages]]
         assert passes[0] == 0 and all(p == S.STEPS * case.chunks for p in passes[1:]), passes
+
+
+class Doubled(nn.Module):
+    """A Linear with a tensor hook that doubles its output's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        y.register_hook(lambda g: g * 2)
+        return y
+
+
+def test_a_gradient_hook_on_an_activation_is_applied_once_to_the_weight_gradients():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Doubled(), nn.Tanh(), nn.Linear(8, 3))
+    whole_x, whole = _grads(copy.deepcopy(net), split=False)
+    split_x, split = _grads(copy.deepcopy(net), split=True)
+    torch.testing.assert_close(split_x, whole_x, atol=1e-6, rtol=0)
+    assert set(split) == set(whole)
+    for name in whole:  # the hooked Linear's weight and bias included: its hook ran in both passes
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=0)
+
+
+def test_a_layer_under_reentrant_checkpoint_is_not_split():
+    from torch.utils.checkpoint import checkpoint
+
+    net = nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = checkpoint(net, torch.tanh(x), use_reentrant=True)
+    assert inputs_first([y], [torch.ones(2, 3)], [x]) is None  # else torch.autograd.grad would raise in it
+    assert x.grad is None and net.weight.grad is None  # nothing ran: the caller's whole backward does it all
+
+
+@pytest.fixture(scope="module")
+def hooked_and_reentrant():
+    return run_ok(W.sweep, 3, timeout=300)
+
+
+def test_a_hooked_activation_and_a_reentrant_checkpoint_train_as_one_device_with_the_split_drain(
+    hooked_and_reentrant,
+):
+    reference = W.reference()
+    for chunks, mode in W.CASES:
+        name = f"{chunks}-{mode}"
+        _assert_same(hooked_and_reentrant, name, reference)
+        passes = [rank[name]["split_passes"] for rank in hooked_and_reentrant]
+        # the first stage never splits, the hooked stage always, the reentrant-checkpoint stage never
+        assert passes == [0, W.STEPS * chunks, 0], (name, passes)

@@ -13,7 +13,12 @@ hooks, such as data-parallel gradient sync, fire as usual).
 Each parameter group (the parameters under one set of intermediates) costs one autograd call in the
 second pass, and an autograd call costs about 0.1 ms on a CPU here, so the split pays only when the
 weight gradients of a micro-batch are large beside that. ``None`` from :func:`inputs_first` means
-the graph cannot be split safely (the caller runs the whole backward).
+the graph cannot be split safely (the caller runs the whole backward): for example a layer under
+``torch.utils.checkpoint(..., use_reentrant=True)``, which refuses a backward restricted to some inputs.
+
+A hook on an activation (``tensor.register_hook``) whose node is an intermediate runs in both passes; the
+weight pass restores the gradient kept in the first, so the parameters get the gradient of a whole
+backward, but a hook with side effects sees that gradient twice.
 """
 
 from __future__ import annotations
@@ -53,13 +58,16 @@ class WeightPass:
                         grads.append(grad)
             if not edges:
                 continue  # no gradient reached this group: the whole backward gives it none either
-            # Several intermediates in one group (a weight used in two places): each must get exactly the
-            # gradient kept for it, not more from an intermediate above it, or it would count twice.
-            handles = (
-                [node.register_prehook(lambda _, kept=self.kept.get(node, ()): kept) for node in intermediates]
-                if len(intermediates) > 1
-                else []
-            )
+            # Each intermediate must get exactly the gradient kept for it. Two things would change it: (1) with
+            # several intermediates in one group (a weight used in two places), the gradient that the upper one
+            # sends down again to the lower one; (2) a hook on the activation an intermediate consumes
+            # (``tensor.register_hook``): it ran in the first pass, before the gradient was kept, and runs again
+            # here on the root's gradient. A node prehook runs after the tensor hooks, so it restores the kept one.
+            handles = [
+                node.register_prehook(lambda _, kept=self.kept[node]: kept)
+                for node in intermediates
+                if node in self.kept
+            ]
             try:
                 torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)  # groups may share nodes
             finally:
@@ -85,8 +93,19 @@ class WeightPass:
         return params
 
 
+#: Backward nodes that refuse a backward restricted to some inputs (``torch.autograd.grad`` or ``inputs=``):
+#: ``torch.utils.checkpoint(..., use_reentrant=True)`` inside a layer raises there, so such a graph runs whole.
+_WHOLE_ONLY = frozenset({"CheckpointFunctionBackward"})
+
+
+class _Unsplittable(Exception):
+    """The graph holds a node of :data:`_WHOLE_ONLY`."""
+
+
 def _reaching(roots: Sequence[Node], targets: set[Node]) -> set[Node]:
-    """The nodes under ``roots`` from which a node of ``targets`` can be reached (targets included)."""
+    """The nodes under ``roots`` from which a node of ``targets`` can be reached (targets included).
+
+    Raises :class:`_Unsplittable` if any node under ``roots`` is one of :data:`_WHOLE_ONLY`."""
     reaches: dict[Node, bool] = {}
     stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
     while stack:  # iterative post-order: the graph of a deep stage would overflow Python's recursion
@@ -94,6 +113,8 @@ def _reaching(roots: Sequence[Node], targets: set[Node]) -> set[Node]:
         if expanded:
             reaches[node] = node in targets or any(reaches[child] for child in _children(node))
         elif node not in reaches:
+            if node.name() in _WHOLE_ONLY:
+                raise _Unsplittable(node.name())
             reaches[node] = False  # visiting; an autograd graph has no cycles, so this is settled below
             stack.append((node, True))
             stack += [(child, False) for child in _children(node) if child not in reaches]
@@ -111,7 +132,7 @@ def inputs_first(outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Seq
         roots: list[Node] = [t.grad_fn for t in outputs]  # type: ignore[misc]
         on_input_path = _reaching(roots, input_nodes)
         groups = _param_groups(roots, on_input_path, input_nodes)
-    except (RuntimeError, TypeError):  # a graph this module does not understand: the whole backward
+    except (RuntimeError, TypeError, _Unsplittable):  # a graph this module cannot split: the whole backward
         return None
     extra = [(o, g) for o, g in zip(outputs, grads) if o.grad_fn not in on_input_path]
     weight_pass = WeightPass(groups, extra)
