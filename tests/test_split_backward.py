@@ -127,27 +127,33 @@ def test_the_split_drain_trains_as_one_device_in_every_mode_with_skips_and_dropo
 
 
 class Doubled(nn.Module):
-    """A Linear with a tensor hook that doubles its output's gradient."""
+    """A Linear with a tensor hook that doubles its output's gradient, and that output's gradient retained."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(8, 8)
+        self.out: torch.Tensor = torch.empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
+        self.out = y = self.linear(x)
         y.register_hook(lambda g: g * 2)
+        y.retain_grad()
         return y
 
 
-def test_a_gradient_hook_on_an_activation_is_applied_once_to_the_weight_gradients():
+def test_a_gradient_hook_and_retain_grad_on_an_activation_count_once():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Doubled(), nn.Tanh(), nn.Linear(8, 3))
-    whole_x, whole = _grads(copy.deepcopy(net), split=False)
-    split_x, split = _grads(copy.deepcopy(net), split=True)
+    whole_net, split_net = copy.deepcopy(net), copy.deepcopy(net)
+    whole_x, whole = _grads(whole_net, split=False)
+    split_x, split = _grads(split_net, split=True)
     torch.testing.assert_close(split_x, whole_x, atol=1e-6, rtol=0)
     assert set(split) == set(whole)
-    for name in whole:  # the hooked Linear's weight and bias included: its hook ran in both passes
+    for name in whole:  # the hooked Linear's weight and bias included: its hooks ran in both passes
         torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=0)
+    retained, expected = split_net[2].out.grad, whole_net[2].out.grad
+    assert retained is not None and expected is not None
+    torch.testing.assert_close(retained, expected, atol=1e-6, rtol=0)
 
 
 def test_a_layer_under_reentrant_checkpoint_is_not_split():

@@ -16,9 +16,10 @@ weight gradients of a micro-batch are large beside that. ``None`` from :func:`in
 the graph cannot be split safely (the caller runs the whole backward): for example a layer under
 ``torch.utils.checkpoint(..., use_reentrant=True)``, which refuses a backward restricted to some inputs.
 
-A hook on an activation (``tensor.register_hook``) whose node is an intermediate runs in both passes; the
-weight pass restores the gradient kept in the first, so the parameters get the gradient of a whole
-backward, but a hook with side effects sees that gradient twice.
+A hook on an activation (``tensor.register_hook``, ``retain_grad``) whose node is an intermediate runs in
+both passes: in the first on the real gradient, in the weight pass on zeros, which the weight pass then
+replaces by the gradient kept in the first. So the parameters get the gradient of a whole backward and a
+retained ``.grad`` is the same; only a hook that records what it sees also records one tensor of zeros.
 """
 
 from __future__ import annotations
@@ -55,14 +56,16 @@ class WeightPass:
                 for index, grad in enumerate(self.kept.get(node, ())):
                     if grad is not None:
                         edges.append(GradientEdge(node, index))
-                        grads.append(grad)
+                        grads.append(grad.new_zeros(()).expand_as(grad))  # replaced by the kept one, see below
             if not edges:
                 continue  # no gradient reached this group: the whole backward gives it none either
             # Each intermediate must get exactly the gradient kept for it. Two things would change it: (1) with
             # several intermediates in one group (a weight used in two places), the gradient that the upper one
-            # sends down again to the lower one; (2) a hook on the activation an intermediate consumes
-            # (``tensor.register_hook``): it ran in the first pass, before the gradient was kept, and runs again
-            # here on the root's gradient. A node prehook runs after the tensor hooks, so it restores the kept one.
+            # sends down again to the lower one; (2) the hooks on the activation an intermediate consumes
+            # (``tensor.register_hook``, ``retain_grad``): they ran in the first pass, before the gradient was
+            # kept, and run again here on the root's gradient. So the roots carry zeros (a hook that adds or
+            # scales adds nothing; ``retain_grad`` adds 0 to ``.grad``), and a node prehook, which runs after
+            # the tensor hooks, puts the kept gradient in their place.
             handles = [
                 node.register_prehook(lambda _, kept=self.kept[node]: kept)
                 for node in intermediates
