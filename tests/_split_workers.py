@@ -1,8 +1,10 @@
 """Workers for ``tests/test_split_backward.py``: layers the split backward must not get wrong, in a real pipeline.
 
-Stage 1 of :func:`build` (K=3, balance ``BALANCE``) has a gradient hook on the activation a Linear's weight
+Stage 1 of :func:`build` (K=4, balance ``BALANCE``) has a gradient hook on the activation a Linear's weight
 gradient is made from (the weight pass must not apply it a second time); stage 2 has a layer under a
-reentrant ``torch.utils.checkpoint``, which refuses a restricted backward (that stage must run whole).
+reentrant ``torch.utils.checkpoint``, which refuses a restricted backward (that stage must run whole); stage 3
+splits. In the same four processes, :func:`replicas` trains two data-parallel replicas of a two-stage pipeline
+with the split drain (the gradient sync fires on the weight pass's accumulations).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_gpipe import GPipe
 
-BALANCE = [2, 3, 3]
+BALANCE = [2, 2, 2, 2]
+REPLICA_BALANCE = [2, 6]
 STEPS = 3
 BATCH = 6
 #: (chunks, checkpoint mode) of every pipeline run
@@ -49,7 +52,8 @@ class Reentrant(nn.Module):
         return checkpoint(self.linear, x, use_reentrant=True) if x.requires_grad else self.linear(x)
 
 
-def build() -> nn.Sequential:
+def build(reentrant: bool = True) -> nn.Sequential:
+    """Eight layers; without ``reentrant``, a plain Linear where the checkpointed one is."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Linear(5, 8),
@@ -57,16 +61,16 @@ def build() -> nn.Sequential:
         Hooked(8),
         nn.Tanh(),
         nn.Linear(8, 8),
-        Reentrant(8),
+        Reentrant(8) if reentrant else nn.Linear(8, 8),
         nn.Tanh(),
         nn.Linear(8, 3),
     )
 
 
-def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def data(batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(BATCH, 5, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator))
+        (torch.randn(batch, 5, generator=generator), torch.randint(0, 3, (batch,), generator=generator))
         for _ in range(STEPS)
     ]
 
@@ -92,8 +96,46 @@ def reference() -> dict[str, Any]:
     return train(build())
 
 
+def replicas_reference() -> dict[str, torch.Tensor]:
+    """:func:`replicas`' steps on one device, on the whole batches of ``2 * BATCH``: the weights at the end."""
+    net = build(reentrant=False)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data(2 * BATCH):
+        optimizer.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def replicas(rank: int) -> dict[str, Any]:
+    """``PipeLayout(4, 2)`` with the split drain: replica ``rank // 2`` trains on its half of every batch."""
+    from lightning_gpipe import PipeLayout
+
+    pipe = GPipe(
+        build(reentrant=False),
+        REPLICA_BALANCE,
+        chunks=3,
+        checkpoint="except_last",
+        layout=PipeLayout(4, 2),
+        split_backward=True,
+    )
+    half = slice(0, BATCH) if rank < 2 else slice(BATCH, 2 * BATCH)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data(2 * BATCH):
+        optimizer.zero_grad()
+        F.cross_entropy(pipe(x[half]), y[half]).backward()
+        pipe.sync_gradients()
+        optimizer.step()
+    result = {
+        "weights": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+        "split_passes": pipe.runner.split_passes,
+    }
+    pipe.close()
+    return result
+
+
 def sweep(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
-    """Every case of :data:`CASES` with ``split_backward=True``, in one process group."""
+    """Every case of :data:`CASES` with ``split_backward=True``, then :func:`replicas`, in one process group."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     results = {}
@@ -103,5 +145,6 @@ def sweep(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
             results[f"{chunks}-{mode}"] = {**train(pipe), "split_passes": pipe.runner.split_passes}
         finally:
             pipe.close()
+    results["replicas"] = replicas(rank)
     dist.destroy_process_group()
     return results

@@ -168,7 +168,7 @@ def test_a_layer_under_reentrant_checkpoint_is_not_split():
 
 @pytest.fixture(scope="module")
 def hooked_and_reentrant():
-    return run_ok(W.sweep, 3, timeout=300)
+    return run_ok(W.sweep, 4, timeout=300)
 
 
 def test_a_hooked_activation_and_a_reentrant_checkpoint_train_as_one_device_with_the_split_drain(
@@ -179,5 +179,18 @@ def test_a_hooked_activation_and_a_reentrant_checkpoint_train_as_one_device_with
         name = f"{chunks}-{mode}"
         _assert_same(hooked_and_reentrant, name, reference)
         passes = [rank[name]["split_passes"] for rank in hooked_and_reentrant]
-        # the first stage never splits, the hooked stage always, the reentrant-checkpoint stage never
-        assert passes == [0, W.STEPS * chunks, 0], (name, passes)
+        # the first stage never splits, the hooked stage and the last always, the reentrant-checkpoint one never
+        assert passes == [0, W.STEPS * chunks, 0, W.STEPS * chunks], (name, passes)
+
+
+def test_data_parallel_replicas_of_a_pipeline_with_the_split_drain_train_as_one_device(hooked_and_reentrant):
+    reference = W.replicas_reference()
+    for rank, results in enumerate(hooked_and_reentrant):
+        got = results["replicas"]
+        assert got["weights"] and set(got["weights"]) <= set(reference), f"rank {rank}"
+        for key, value in got["weights"].items():
+            torch.testing.assert_close(
+                value, reference[key], atol=1e-6, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}"
+            )
+        # stage 0 (ranks 0 and 2) is first and runs whole; stage 1 splits every micro-batch of every step
+        assert got["split_passes"] == (0 if rank % 2 == 0 else W.STEPS * 3), (rank, got["split_passes"])
