@@ -194,3 +194,36 @@ def test_data_parallel_replicas_of_a_pipeline_with_the_split_drain_train_as_one_
             )
         # stage 0 (ranks 0 and 2) is first and runs whole; stage 1 splits every micro-batch of every step
         assert got["split_passes"] == (0 if rank % 2 == 0 else W.STEPS * 3), (rank, got["split_passes"])
+
+
+class Branches(nn.Module):
+    """Two parallel Linears on one input (an AmoebaNet cell in miniature), summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left(x) + torch.tanh(self.right(x))
+
+
+def test_parallel_branches_share_one_weight_pass_call_without_recomputing_activation_gradients(monkeypatch):
+    class Probe(nn.Module):
+        def forward(self, x):
+            return Counted.apply(x)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), Probe(), Branches(), nn.Linear(8, 3))
+    whole_x, whole = _grads(copy.deepcopy(net), split=False)
+    calls = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    Counted.calls = 0
+    split_x, split = _grads(copy.deepcopy(net), split=True)
+    assert Counted.calls == 1  # below both branches: its gradient is computed once, in the first pass
+    # the last Linear, then both branches together, then the first Linear: three calls for four layers
+    assert len(calls) == 3
+    torch.testing.assert_close(split_x, whole_x, atol=1e-6, rtol=0)
+    assert set(split) == set(whole)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=0)

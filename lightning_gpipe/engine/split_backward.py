@@ -10,9 +10,9 @@ computed once, in the first pass; the second runs the weight-gradient half of ea
 the parameter branches below it, through ``AccumulateGrad`` as a whole backward does (so gradient
 hooks, such as data-parallel gradient sync, fire as usual).
 
-Each parameter group (the parameters under one set of intermediates) costs one autograd call in the
-second pass, and an autograd call costs about 0.1 ms on a CPU here, so the split pays only when the
-weight gradients of a micro-batch are large beside that. ``None`` from :func:`inputs_first` means
+The second pass makes one autograd call per depth of the input path's intermediates (see :func:`_calls`),
+each about 15-30 us on a CPU here, so the split pays only when the weight gradients of a micro-batch are
+large beside that. ``None`` from :func:`inputs_first` means
 the graph cannot be split safely (the caller runs the whole backward): for example a layer under
 ``torch.utils.checkpoint(..., use_reentrant=True)``, which refuses a backward restricted to some inputs.
 
@@ -209,4 +209,45 @@ def _param_groups(
             groups.remove(group)
             merged = (merged[0] | group[0], merged[1] | group[1])
         groups.append(merged)
-    return [(list(nodes), [variables[p] for p in ps]) for nodes, ps in groups]
+    return _calls(roots, on_input_path, [(list(nodes), [variables[p] for p in ps]) for nodes, ps in groups])
+
+
+def _calls(
+    roots: Sequence[Node], on_input_path: set[Node], groups: list[tuple[list[Node], list[Tensor]]]
+) -> list[tuple[list[Node], list[Tensor]]]:
+    """The groups merged into as few weight-pass calls as can run without recomputing an activation gradient.
+
+    One call from two intermediates where one lies above the other on the input path would send the upper
+    one's gradient down to the lower one again (the activation gradients between them, computed twice). So
+    the single-intermediate groups are merged by *depth*, the most intermediates on a path above one: two
+    intermediates of the same depth never lie on one path. A chain (a Transformer) gains nothing; parallel
+    branches (an AmoebaNet cell's operations) share calls. A group of several intermediates stays alone.
+    """
+    intermediates = {node for nodes, _ in groups for node in nodes}
+    order: list[Node] = []  # the input path, every node after all its parents
+    done: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(root, False) for root in roots if root in on_input_path]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+        elif node not in done:
+            done.add(node)
+            stack.append((node, True))
+            stack += [(child, False) for child in _children(node) if child in on_input_path and child not in done]
+    depth = dict.fromkeys(order, 0)
+    for node in reversed(order):  # post-order reversed: parents first
+        below = depth[node] + (node in intermediates)
+        for child in _children(node):
+            if child in on_input_path and depth[child] < below:
+                depth[child] = below
+    merged: dict[int, tuple[list[Node], list[Tensor]]] = {}
+    calls = []
+    for nodes, params in groups:
+        if len(nodes) > 1:
+            calls.append((nodes, params))
+        else:
+            call = merged.setdefault(depth[nodes[0]], ([], []))
+            call[0].extend(nodes)
+            call[1].extend(params)
+    return calls + [merged[d] for d in sorted(merged)]
