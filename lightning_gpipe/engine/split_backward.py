@@ -10,10 +10,16 @@ computed once, in the first pass; the second runs the weight-gradient half of ea
 the parameter branches below it, through ``AccumulateGrad`` as a whole backward does (so gradient
 hooks, such as data-parallel gradient sync, fire as usual).
 
-Each parameter group (the parameters under one set of intermediates) costs one autograd call in the
-second pass, and an autograd call costs about 0.1 ms on a CPU here, so the split pays only when the
-weight gradients of a micro-batch are large beside that. ``None`` from :func:`inputs_first` means
-the graph cannot be split safely (the caller runs the whole backward).
+The second pass makes one autograd call per depth of the input path's intermediates (see :func:`_calls`),
+each about 15-30 us on a CPU here, so the split pays only when the weight gradients of a micro-batch are
+large beside that. ``None`` from :func:`inputs_first` means
+the graph cannot be split safely (the caller runs the whole backward): for example a layer under
+``torch.utils.checkpoint(..., use_reentrant=True)``, which refuses a backward restricted to some inputs.
+
+A hook on an activation (``tensor.register_hook``, ``retain_grad``) whose node is an intermediate runs in
+both passes: in the first on the real gradient, in the weight pass on zeros, which the weight pass then
+replaces by the gradient kept in the first. So the parameters get the gradient of a whole backward and a
+retained ``.grad`` is the same; only a hook that records what it sees also records one tensor of zeros.
 """
 
 from __future__ import annotations
@@ -50,16 +56,21 @@ class WeightPass:
                 for index, grad in enumerate(self.kept.get(node, ())):
                     if grad is not None:
                         edges.append(GradientEdge(node, index))
-                        grads.append(grad)
+                        grads.append(grad.new_zeros(()).expand_as(grad))  # replaced by the kept one, see below
             if not edges:
                 continue  # no gradient reached this group: the whole backward gives it none either
-            # Several intermediates in one group (a weight used in two places): each must get exactly the
-            # gradient kept for it, not more from an intermediate above it, or it would count twice.
-            handles = (
-                [node.register_prehook(lambda _, kept=self.kept.get(node, ()): kept) for node in intermediates]
-                if len(intermediates) > 1
-                else []
-            )
+            # Each intermediate must get exactly the gradient kept for it. Two things would change it: (1) with
+            # several intermediates in one group (a weight used in two places), the gradient that the upper one
+            # sends down again to the lower one; (2) the hooks on the activation an intermediate consumes
+            # (``tensor.register_hook``, ``retain_grad``): they ran in the first pass, before the gradient was
+            # kept, and run again here on the root's gradient. So the roots carry zeros (a hook that adds or
+            # scales adds nothing; ``retain_grad`` adds 0 to ``.grad``), and a node prehook, which runs after
+            # the tensor hooks, puts the kept gradient in their place.
+            handles = [
+                node.register_prehook(lambda _, kept=self.kept[node]: kept)
+                for node in intermediates
+                if node in self.kept
+            ]
             try:
                 torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)  # groups may share nodes
             finally:
@@ -85,8 +96,19 @@ class WeightPass:
         return params
 
 
+#: Backward nodes that refuse a backward restricted to some inputs (``torch.autograd.grad`` or ``inputs=``):
+#: ``torch.utils.checkpoint(..., use_reentrant=True)`` inside a layer raises there, so such a graph runs whole.
+_WHOLE_ONLY = frozenset({"CheckpointFunctionBackward"})
+
+
+class _Unsplittable(Exception):
+    """The graph holds a node of :data:`_WHOLE_ONLY`."""
+
+
 def _reaching(roots: Sequence[Node], targets: set[Node]) -> set[Node]:
-    """The nodes under ``roots`` from which a node of ``targets`` can be reached (targets included)."""
+    """The nodes under ``roots`` from which a node of ``targets`` can be reached (targets included).
+
+    Raises :class:`_Unsplittable` if any node under ``roots`` is one of :data:`_WHOLE_ONLY`."""
     reaches: dict[Node, bool] = {}
     stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
     while stack:  # iterative post-order: the graph of a deep stage would overflow Python's recursion
@@ -94,6 +116,8 @@ def _reaching(roots: Sequence[Node], targets: set[Node]) -> set[Node]:
         if expanded:
             reaches[node] = node in targets or any(reaches[child] for child in _children(node))
         elif node not in reaches:
+            if node.name() in _WHOLE_ONLY:
+                raise _Unsplittable(node.name())
             reaches[node] = False  # visiting; an autograd graph has no cycles, so this is settled below
             stack.append((node, True))
             stack += [(child, False) for child in _children(node) if child not in reaches]
@@ -111,7 +135,7 @@ def inputs_first(outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Seq
         roots: list[Node] = [t.grad_fn for t in outputs]  # type: ignore[misc]
         on_input_path = _reaching(roots, input_nodes)
         groups = _param_groups(roots, on_input_path, input_nodes)
-    except (RuntimeError, TypeError):  # a graph this module does not understand: the whole backward
+    except (RuntimeError, TypeError, _Unsplittable):  # a graph this module cannot split: the whole backward
         return None
     extra = [(o, g) for o, g in zip(outputs, grads) if o.grad_fn not in on_input_path]
     weight_pass = WeightPass(groups, extra)
@@ -185,4 +209,45 @@ def _param_groups(
             groups.remove(group)
             merged = (merged[0] | group[0], merged[1] | group[1])
         groups.append(merged)
-    return [(list(nodes), [variables[p] for p in ps]) for nodes, ps in groups]
+    return _calls(roots, on_input_path, [(list(nodes), [variables[p] for p in ps]) for nodes, ps in groups])
+
+
+def _calls(
+    roots: Sequence[Node], on_input_path: set[Node], groups: list[tuple[list[Node], list[Tensor]]]
+) -> list[tuple[list[Node], list[Tensor]]]:
+    """The groups merged into as few weight-pass calls as can run without recomputing an activation gradient.
+
+    One call from two intermediates where one lies above the other on the input path would send the upper
+    one's gradient down to the lower one again (the activation gradients between them, computed twice). So
+    the single-intermediate groups are merged by *depth*, the most intermediates on a path above one: two
+    intermediates of the same depth never lie on one path. A chain (a Transformer) gains nothing; parallel
+    branches (an AmoebaNet cell's operations) share calls. A group of several intermediates stays alone.
+    """
+    intermediates = {node for nodes, _ in groups for node in nodes}
+    order: list[Node] = []  # the input path, every node after all its parents
+    done: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(root, False) for root in roots if root in on_input_path]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+        elif node not in done:
+            done.add(node)
+            stack.append((node, True))
+            stack += [(child, False) for child in _children(node) if child in on_input_path and child not in done]
+    depth = dict.fromkeys(order, 0)
+    for node in reversed(order):  # post-order reversed: parents first
+        below = depth[node] + (node in intermediates)
+        for child in _children(node):
+            if child in on_input_path and depth[child] < below:
+                depth[child] = below
+    merged: dict[int, tuple[list[Node], list[Tensor]]] = {}
+    calls = []
+    for nodes, params in groups:
+        if len(nodes) > 1:
+            calls.append((nodes, params))
+        else:
+            call = merged.setdefault(depth[nodes[0]], ([], []))
+            call[0].extend(nodes)
+            call[1].extend(params)
+    return calls + [merged[d] for d in sorted(merged)]
