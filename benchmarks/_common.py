@@ -230,10 +230,12 @@ def gpipe_step(
     device: torch.device,
     split: list[int],
     make_optimizer: Callable[[Any], torch.optim.Optimizer] = sgd,
+    **options: Any,
 ) -> tuple[GPipe, Callable[[], None]]:
-    """A ``GPipe`` of the workload and one training step of it (the bare engine, no Lightning); SGD by default."""
+    """A ``GPipe`` of the workload and one training step of it (the bare engine, no Lightning); SGD by default.
+    ``options`` go to ``GPipe`` (``split_backward=True``)."""
     torch.manual_seed(0)
-    pipe = GPipe(workload.build(), split, chunks=chunks, checkpoint=checkpoint, device=device)
+    pipe = GPipe(workload.build(), split, chunks=chunks, checkpoint=checkpoint, device=device, **options)
     optimizer = make_optimizer(pipe.parameters())
     x, y = workload.batch(batch_size, device)
 

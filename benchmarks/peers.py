@@ -108,8 +108,9 @@ def pipeline_worker(rank: int, world: int, args: argparse.Namespace, round_: int
         for mode, split_backward in (("never", False), ("never", True), ("except_last", False)):
 
             def engine(mode: str = mode, split_backward: bool = split_backward) -> float:
-                pipe, step = C.gpipe_step(workload, args.chunks, mode, args.batch_size, device, split)
-                pipe.runner.split_backward = split_backward
+                pipe, step = C.gpipe_step(
+                    workload, args.chunks, mode, args.batch_size, device, split, split_backward=split_backward
+                )
                 try:
                     return C.step_seconds(step, device, args.warmup, args.steps)
                 finally:

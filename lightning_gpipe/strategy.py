@@ -146,7 +146,7 @@ class GPipeStrategy(ParallelStrategy):
             instead of moving once per micro-batch.
         split_backward: compute each micro-batch's input gradient first in the drain and send it, then the
             weight gradients (see :class:`~lightning_gpipe.GPipe`); the same results. Off by default: on
-            the CPU its extra autograd calls cost more than the earlier input gradient saves.
+            the CPU its graph walk and extra autograd calls cost more than the earlier input gradient saves.
     """
 
     strategy_name = "gpipe"
@@ -411,6 +411,7 @@ class GPipeStrategy(ParallelStrategy):
             self.layer_costs = self._measure_costs(sequential)
             balance = optimal_balance(self.layer_costs.of(self.balance), stages)
             self._check_costs = list(self.layer_costs.time) if stages > 1 else None
+            self._train_batches = 0  # counted from this setup's first training batch
         costs = self.layer_costs
         rank_zero_info(
             f"GPipe split of `{self.backbone}` into {stages} stage{'s' * (stages > 1)} by balance={self.balance!r}:\n"

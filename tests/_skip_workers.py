@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,13 +112,23 @@ def loss_of(case: Case, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train(case: Case, net: nn.Module, named: Optional[list[tuple[str, nn.Parameter]]] = None) -> dict[str, Any]:
-    """``STEPS`` of SGD with momentum: the losses, the gradients of step 1 and the weights at the end."""
+    """``STEPS`` of SGD with momentum on ``case``'s data (see :func:`train_on`)."""
+    return train_on(net, data(case), lambda out, y: loss_of(case, out, y), named)
+
+
+def train_on(
+    net: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    named: Optional[list[tuple[str, nn.Parameter]]] = None,
+) -> dict[str, Any]:
+    """SGD with momentum, a step per batch: the losses, the gradients of step 1 and the weights at the end."""
     named = named if named is not None else list(net.named_parameters())
     optimizer = torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
     losses, grads = [], {}
-    for step, (x, y) in enumerate(data(case)):
+    for step, (x, y) in enumerate(batches):
         optimizer.zero_grad()
-        loss = loss_of(case, net(x), y)
+        loss = loss_fn(net(x), y)
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in named if p.grad is not None}

@@ -91,7 +91,7 @@ class GPipe(nn.Module):
             (a collective) and freed at :meth:`close`.
         split_backward: in the drain, compute each micro-batch's input gradient first and send it, then
             the weight gradients (:mod:`lightning_gpipe.engine.split_backward`). Same results; off by
-            default because on the CPU its extra autograd calls cost more than it saves
+            default because on the CPU its graph walk and extra autograd calls cost more than it saves
             (``docs/benchmarks.md``).
     """
 
