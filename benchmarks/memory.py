@@ -8,9 +8,10 @@ Two tables, both from real training steps (Adam, so parameters, gradients and tw
 per parameter):
 
 1. Peak memory of every stage of AmoebaNet-D for each checkpoint mode and each K, with M
-   micro-batches. A stage's peak is what it holds at its worst moment: its parameters, gradients
-   and optimizer state, the activations it keeps between the fill and the drain, and what a pass
-   needs while it runs.
+   micro-batches, and the fastest step of the cell (the slowest rank's). A stage's peak is what it
+   holds at its worst moment: its parameters, gradients and optimizer state, the activations it
+   keeps between the fill and the drain, and what a pass needs while it runs. ``keep:N``
+   (checkpointing by count, ``--keep``) sits between ``never`` and ``except_last``.
 2. The shape of GPipe's Table 1: the most normal cells L (at a fixed width D) that train under a
    per-process cap, for naive-1 (one process, M=1, no re-materialization), pipeline-1 (one process,
    M micro-batches, ``checkpoint="always"``) and pipeline-K. The search measures two small models,
@@ -35,6 +36,7 @@ import argparse
 import ctypes
 import gc
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -63,6 +65,51 @@ def _release() -> None:
         pass
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_MEMORY_MMAP = 256 * 1024
+
+
+def malloc_for(purpose: str) -> None:
+    """Set glibc's malloc for measuring ``"memory"`` or ``"time"`` on the CPU (nothing elsewhere).
+
+    Memory: blocks of 256 KiB and more are mapped and unmapped on each allocation, so freed activations
+    leave the resident set and its peak follows the live tensors. That costs page faults on every
+    allocation (measured: AmoebaNet-D (6, 32)'s step at a micro-batch of 32 took 2.7 times as long), so
+    time is measured as a long-running process settles by itself (glibc raises its threshold to the
+    largest block freed, up to 32 MiB): large blocks reused from the heap.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    mmap, trim = (_MEMORY_MMAP, _MEMORY_MMAP // 2) if purpose == "memory" else (32 * MIB, 64 * MIB)
+    libc.mallopt(_M_MMAP_THRESHOLD, mmap)
+    libc.mallopt(_M_TRIM_THRESHOLD, trim)
+
+
+def time_then_peak(
+    step: Callable[[], Any], device: torch.device, warmup: int, steps: int, memory_steps: int = 2
+) -> tuple[list[float], int]:
+    """Seconds of ``steps`` training steps after ``warmup`` (malloc set for time), then the peak resident bytes
+    (or GPU bytes allocated) over ``memory_steps`` more (malloc set for memory): each read as it is read best."""
+    malloc_for("time")
+    for _ in range(warmup):  # the first step creates the gradients and the optimizer state
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        C.synchronize(device)
+        times.append(time.perf_counter() - start)
+    malloc_for("memory")
+    _release()
+    reset_peak(device)
+    for _ in range(memory_steps):
+        step()
+    C.synchronize(device)
+    return times, peak(device)
+
+
 def resident(device: torch.device) -> int:
     """Bytes in use now: allocated on the GPU, resident on the CPU."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else _status("VmRSS")
@@ -87,32 +134,31 @@ def stage_peak(
     batch_size: int,
     device: torch.device,
     split: list[int],
-    steps: int = 2,
-) -> dict[str, int]:
-    """This stage's peak bytes over ``steps`` training steps (Adam), above what the process held before."""
+    steps: int = 1,
+) -> dict[str, Any]:
+    """This stage's peak bytes over 2 training steps (Adam), above what the process held before, and the fastest
+    of ``steps`` steps before those (see :func:`time_then_peak`)."""
+    malloc_for("memory")
     _release()
     before = resident(device)
     pipe, step = C.gpipe_step(workload, chunks, checkpoint, batch_size, device, split, adam)
-    _release()
-    reset_peak(device)
-    for _ in range(steps):  # the first step creates the gradients and the optimizer state
-        step()
-    C.synchronize(device)
-    measured = {"peak": peak(device) - before, "params": sum(p.numel() for p in pipe.parameters())}
+    times, top = time_then_peak(step, device, warmup=1, steps=steps)
+    measured = {"peak": top - before, "params": sum(p.numel() for p in pipe.parameters()), "step_s": min(times)}
     pipe.close()
     del pipe, step
     _release()
     return measured
 
 
-def worst_stage(measured: dict[str, int]) -> dict[str, Any]:
-    """Over every rank: the largest peak, and the parameters of the whole model."""
-    every: list[Optional[dict[str, int]]] = [None] * dist.get_world_size()
+def worst_stage(measured: dict[str, Any]) -> dict[str, Any]:
+    """Over every rank: the largest peak, the parameters of the whole model, the slowest rank's step."""
+    every: list[Optional[dict[str, Any]]] = [None] * dist.get_world_size()
     dist.all_gather_object(every, measured)
     return {
         "peak": max(m["peak"] for m in every),
         "peaks": [m["peak"] for m in every],
         "params": sum(m["params"] for m in every),
+        "step_s": max(m["step_s"] for m in every),
     }
 
 
@@ -156,12 +202,18 @@ def by_mode_worker(rank: int, world: int, args: argparse.Namespace, model: str) 
     split = C.pipeline_balance(workload, world, args.batch_size // args.chunks, device, cost="memory")
     stage_peak(workload, args.chunks, "never", args.batch_size, device, split)  # once-per-process runtime state
     rows = []
-    for mode in ("never", "except_last", "always"):
-        worst = worst_stage(stage_peak(workload, args.chunks, mode, args.batch_size, device, split))
+    for mode in modes(args):
+        worst = worst_stage(stage_peak(workload, args.chunks, mode, args.batch_size, device, split, args.steps))
         rows.append(
             {"model": model, "stages": world, "checkpoint": mode, "chunks": args.chunks, "balance": split, **worst}
         )
     return rows
+
+
+def modes(args: argparse.Namespace) -> list[str]:
+    """The checkpoint modes of table 1: ``keep:N`` (checkpointing by count) between ``never`` and ``except_last``."""
+    keep = [f"keep:{n}" for n in args.keep if 1 < n < args.chunks]
+    return ["never", *keep, "except_last", "always"]
 
 
 def largest_worker(rank: int, world: int, args: argparse.Namespace, chunks: int, checkpoint: str, model: str) -> dict:
@@ -211,6 +263,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--chunks", type=int, default=8, help="M for the pipelines")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--keep", type=int, nargs="*", default=[4], help="the N of the keep:N rows of table 1")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per table 1 cell (peak over all)")
+    parser.add_argument("--skip-largest", action="store_true", help="table 1 only")
     parser.add_argument("--cap-mib", type=float, default=256.0, help="per-process memory cap for table 2")
     parser.add_argument("--largest-filters", type=int, default=48, help="AmoebaNet-D D of the models in table 2")
     parser.add_argument("--largest-unet-channels", type=int, default=8, help="U-Net C of the models in table 2")
@@ -229,6 +284,8 @@ def main() -> None:
     by_mode, largest = [], []
     for model in args.models:
         by_mode += [row for k in args.stages for row in C.launch(by_mode_worker, k, args, model)[0]]
+        if args.skip_largest:
+            continue
         largest.append(C.launch(largest_worker, 1, args, 1, "never", model)[0])
         largest += [C.launch(largest_worker, k, args, args.largest_chunks, "always", model)[0] for k in args.stages]
 
@@ -255,22 +312,26 @@ def print_tables(
         f"\nPeak memory per stage ({where}), {workload.describe}, batch {args.batch_size}, M={args.chunks}, Adam\n"
         f"{machine}\n"
     )
-    never = {r["stages"]: r["peak"] for r in by_mode if r["checkpoint"] == "never"}
+    never = {r["stages"]: r for r in by_mode if r["checkpoint"] == "never"}
     print(
         C.markdown(
-            ["K", "checkpoint", "largest stage MiB", "every stage MiB", "vs never"],
+            ["K", "checkpoint", "largest stage MiB", "every stage MiB", "vs never", "step ms", "vs never"],
             [
                 [
                     r["stages"],
                     r["checkpoint"],
                     f"{r['peak'] / MIB:.1f}",
                     " / ".join(f"{p / MIB:.1f}" for p in r["peaks"]),
-                    f"{r['peak'] / never[r['stages']]:.2f}",
+                    f"{r['peak'] / never[r['stages']]['peak']:.2f}",
+                    f"{r['step_s'] * 1e3:.1f}",
+                    f"{r['step_s'] / never[r['stages']]['step_s']:.2f}",
                 ]
                 for r in by_mode
             ],
         )
     )
+    if not largest:
+        return
     grown = family(model, args)
     if model == "unet":
         name = f"U-Net (B, {args.largest_unet_channels}) of depth {args.unet_depth}"

@@ -4,7 +4,7 @@
     python benchmarks/plan.py --models main --chunks 1 4 --modes except_last
 
 For each workload (AmoebaNet-D and the Transformer of ``_common.py``, and the main job's model,
-``configs/amoebanet_digits.yaml``: AmoebaNet-D (3, 16) on 8x8 digits, a batch of 64), K and M, rank 0
+``configs/amoebanet_digits.yaml``: AmoebaNet-D (9, 32) on 8x8 digits, a batch of 64), K and M, rank 0
 profiles the backbone once at every micro-batch size the grid uses (``profile_for_plan``), the link
 between the two processes is measured (``measure_link``), and the planner replays each step; then the
 same step runs on the bare engine (Adam, one thread per process, the planner's split by time) and its
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from typing import Any
 
 import _common as C
@@ -37,7 +36,7 @@ MIB = 2**20
 
 
 def main_job_workload() -> C.Workload:
-    """The model and input of ``configs/amoebanet_digits.yaml``: AmoebaNet-D (3, 16), small stem, 8x8 grey digits."""
+    """The model and input of ``configs/amoebanet_digits.yaml``: AmoebaNet-D (9, 32), small stem, 8x8 grey digits."""
 
     def batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(n)
@@ -45,8 +44,8 @@ def main_job_workload() -> C.Workload:
 
     return C.Workload(
         "main",
-        "main job: AmoebaNet-D (3, 16), 8x8 digits",
-        lambda: amoebanetd(10, 3, 16, in_channels=1, stem="small"),
+        "main job: AmoebaNet-D (9, 32), 8x8 digits",
+        lambda: amoebanetd(10, 9, 32, in_channels=1, stem="small"),
         batch,
     )
 
@@ -72,19 +71,12 @@ def measure(
     The fastest of ``steps``, not the median: on a shared machine other work only ever slows a step down.
     """
     device = torch.device("cpu")
+    MEM.malloc_for("memory")
     MEM._release()
     before = MEM.resident(device)
     pipe, step = C.gpipe_step(workload, chunks, mode, batch_size, device, split, MEM.adam)
-    MEM._release()
-    MEM.reset_peak(device)
-    for _ in range(warmup):  # the first step creates the gradients and the optimizer state
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = MEM.peak(device) - before
+    times, top = MEM.time_then_peak(step, device, warmup, steps)
+    peak = top - before
     pipe.close()
     del pipe, step
     MEM._release()
@@ -99,6 +91,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
     cells: list[dict[str, Any]] = []
     for workload in workloads(args):
         batch = args.main_batch if workload.name == "main" else args.batch_size
+        MEM.malloc_for("time")  # the profile times the layers as the steps are timed
         model = shared_profile(workload, batch, micro_batch_sizes(batch, args.chunks), args.repeats)
         measure(workload, 1, "never", batch, by_time(model, world, batch), 1, 1)  # once-per-process runtime state
         grid: dict[tuple[int, str], dict[str, Any]] = {}

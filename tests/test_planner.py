@@ -18,6 +18,7 @@ from lightning_gpipe.balancing.plan import (
     plan_table,
     simulate,
 )
+from lightning_gpipe.balancing.plan.measure import update_times
 from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers
 from lightning_gpipe.engine.checkpoint import checkpointed, keep
 from lightning_gpipe.engine.schedule import bubble_fraction, fill_drain
@@ -247,3 +248,19 @@ def test_profiling_times_the_forward_and_the_backward_apart_and_records_what_cro
     assert costs.time[0] == pytest.approx(costs.forward[0] + costs.backward[0], rel=0.5)
     assert costs.output_bytes == (3 * 4 * 4, 3 * 4 * 4, 3 * 6 * 4) and costs.batch == 3
     assert costs.input_counted[2] == 3 * 4 * 4  # Linear saves its input; the layer before did not save its output
+
+
+def test_each_layers_optimizer_step_is_timed_on_copies_and_ends_its_stages_step():
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    times = update_times(model, repeats=2)
+    assert times[1] == 0.0 and times[0] > 0 and times[2] > 0  # a layer without parameters has no step
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # copies: the model is untouched
+    assert all(p.grad is None for p in model.parameters())
+    costs = profile(2, [1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [8, 8, 8], [8, 8, 8])
+    timed = CostModel([costs], update=[0.5, 0.0, 0.25]).step_costs([2, 1], batch_size=2, chunks=1)
+    assert timed.update == [0.5, 0.25]  # summed per stage
+    untimed = CostModel([costs]).step_costs([2, 1], batch_size=2, chunks=1)
+    assert simulate(timed, "never").step == pytest.approx(simulate(untimed, "never").step + 0.5)  # stage 0 ends last
+    with pytest.raises(ValueError, match="one time per layer"):
+        CostModel([costs], update=[0.5])

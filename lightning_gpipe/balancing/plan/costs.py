@@ -46,7 +46,7 @@ class CostModel:
     1.6666666666666665
     """
 
-    def __init__(self, profiles: Sequence[LayerCosts]) -> None:
+    def __init__(self, profiles: Sequence[LayerCosts], update: Sequence[float] = ()) -> None:
         if not profiles:
             raise ValueError("The planner needs at least one profile of the backbone's layers.")
         for costs in profiles:
@@ -62,6 +62,10 @@ class CostModel:
         self.profiles = [by_size[b] for b in sorted(by_size)]
         self.state_bytes = list(self.profiles[0].state_bytes)
         self.params = list(self.profiles[0].params)
+        if update and len(update) != len(self.params):
+            raise ValueError(f"`update` needs one time per layer ({len(self.params)}), got {len(update)}.")
+        #: Seconds of each layer's optimizer step (empty: not measured, counted as free).
+        self.update = [float(u) for u in update]
 
     def __len__(self) -> int:
         return len(self.params)
@@ -106,6 +110,8 @@ class CostModel:
             micro.append([self._stage(rows[size], start, stop, size) for size in sizes])
         state = [int(sum(self.state_bytes[a:b])) for a, b in bounds]
         last = self.layers(batch_size)[-1]
+        if not update and self.update:
+            update = [sum(self.update[a:b]) for a, b in bounds]
         return StepCosts(micro, state, output=int(last.output_bytes), head=head, update=update)
 
     def _stage(self, rows: list[LayerRow], start: int, stop: int, size: int) -> StageCost:

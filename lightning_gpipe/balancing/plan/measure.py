@@ -3,12 +3,15 @@
 One profile per size: a layer's time at a small micro-batch is mostly fixed cost, at a large one
 mostly per-sample cost, and no single size tells both (see :mod:`.costs`). Each profile is
 :func:`~lightning_gpipe.balancing.profile_layers` on the first ``size`` samples of one batch of the
-backbone's input, so the plan's costs come from the data it will train on.
+backbone's input, so the plan's costs come from the data it will train on. Each layer's optimizer
+step is timed too (:func:`update_times`): it ends every stage's step, after its drain.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from collections.abc import Iterable
 from functools import partial
 from typing import Any, Callable, ContextManager, Union
@@ -20,7 +23,7 @@ from lightning_gpipe.balancing.plan.costs import CostModel
 from lightning_gpipe.balancing.profiling import profile_layers
 from lightning_gpipe.engine import microbatch
 
-__all__ = ["micro_batch_sizes", "profile_for_plan"]
+__all__ = ["micro_batch_sizes", "profile_for_plan", "update_times"]
 
 
 def micro_batch_sizes(batch_size: int, chunks: Iterable[int]) -> list[int]:
@@ -51,7 +54,55 @@ def profile_for_plan(
         profiles.append(
             profile_layers(module, part, device, repeats=repeats, optimizer_states=optimizer_states, context=context)
         )
-    return CostModel(profiles)
+    return CostModel(profiles, update=update_times(module, device, optimizer_states=optimizer_states))
+
+
+def update_times(
+    module: nn.Sequential,
+    device: Union[torch.device, str, None] = None,
+    *,
+    optimizer_states: float = 2.0,
+    repeats: int = 5,
+) -> list[float]:
+    """Seconds of one optimizer step over each layer's trainable parameters, on copies moved to ``device``.
+
+    The optimizer does not exist when the plan is made (Lightning builds it for the local stage after
+    the split), so it is assumed as :func:`~lightning_gpipe.balancing.state_bytes` assumes its state:
+    2 states per parameter is Adam, 1 is SGD with momentum, 0 plain SGD. Copies keep the module's
+    parameters and any optimizer untouched; the median of ``repeats`` steps after a first one (which
+    creates the state) is the time.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    times = []
+    for layer in module:
+        params = [p.detach().to(device).clone().requires_grad_() for p in layer.parameters() if p.requires_grad]
+        if not params:
+            times.append(0.0)
+            continue
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        optimizer = _assumed_optimizer(params, optimizer_states)
+        samples = []
+        for attempt in range(repeats + 1):
+            _synchronize(device)
+            start = time.perf_counter()
+            optimizer.step()
+            _synchronize(device)
+            if attempt:
+                samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+    return times
+
+
+def _assumed_optimizer(params: list[Tensor], states: float) -> torch.optim.Optimizer:
+    if states >= 2:
+        return torch.optim.Adam(params, lr=1e-3)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if states >= 1 else 0.0)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _first(size: int, t: Tensor) -> Tensor:
