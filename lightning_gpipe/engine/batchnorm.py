@@ -85,9 +85,6 @@ class DeferredBatchNorm(_BatchNorm):
     running_mean: Tensor
     running_var: Tensor
     num_batches_tracked: Tensor
-    _count: Tensor
-    _mean: Tensor
-    _m2: Tensor
 
     def __init__(
         self,
@@ -102,13 +99,13 @@ class DeferredBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True, device=device, dtype=dtype)
         microbatch.check_chunks(chunks)
         self.chunks = chunks
-        # The mini-batch so far: micro-batches and values seen, their mean and sum of squared deviations,
-        # in float64 so that merging many micro-batches loses nothing. Buffers, so they follow the
-        # module's device; non-persistent, so the state_dict stays BatchNorm's.
-        self._micro = 0
-        self.register_buffer("_count", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
-        self.register_buffer("_mean", torch.zeros(num_features, dtype=torch.float64, device=device), persistent=False)
-        self.register_buffer("_m2", torch.zeros(num_features, dtype=torch.float64, device=device), persistent=False)
+        # The mini-batch so far, per micro-batch: its number of values per channel, and its mean and unbiased
+        # variance, written by BatchNorm's own kernel (see `forward`). Plain attributes, not buffers: they live for
+        # one mini-batch, and each micro-batch gets new tensors, which its graph may hold.
+        self._sizes: list[int] = []
+        self._means: list[Tensor] = []
+        self._vars: list[Tensor] = []
+        self._merge_weights: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor, Tensor]] = {}
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -118,44 +115,56 @@ class DeferredBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if not self.training:
             return super().forward(input)
-        if not is_recomputing():
-            self._track(input)
-        return nn.functional.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if is_recomputing():
+            return nn.functional.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        # The kernel that normalizes computes the micro-batch's mean and unbiased variance anyway: with momentum 1
+        # it writes them into the zeros given as its running statistics, so tracking costs no pass over the input
+        # (a separate `var_mean` and merge per call cost this package's AmoebaNet about 40% of a forward).
+        mean, var = torch.zeros(2, self.num_features, dtype=self.running_mean.dtype, device=input.device).unbind(0)
+        output = nn.functional.batch_norm(input, mean, var, self.weight, self.bias, True, 1.0, self.eps)
+        self._sizes.append(input.numel() // max(input.shape[1], 1))
+        self._means.append(mean)
+        self._vars.append(var)
+        if len(self._sizes) >= (getattr(_call, "count", None) or self.chunks):
+            self._commit()
+        return output
 
     @torch.no_grad()
-    def _track(self, input: Tensor) -> None:
-        """Merge this micro-batch's statistics into the mini-batch's (Chan et al.'s parallel variance)."""
-        dims = [0, *range(2, input.dim())]
-        n = input.numel() // max(input.shape[1], 1)
-        x = input.detach()
-        var, mean = torch.var_mean(
-            x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=dims, correction=0
-        )
-        var, mean = var.double(), mean.double()
-        total = self._count + n
-        delta = mean - self._mean
-        self._m2.add_(var * n + delta.square() * (self._count * n / total))
-        self._mean.add_(delta * (n / total))
-        self._count.copy_(total)
-        self._micro += 1
-        if self._micro >= (getattr(_call, "count", None) or self.chunks):
-            self._commit()
-
     def _commit(self) -> None:
-        """Move the running statistics once, as BatchNorm on the whole mini-batch would."""
-        count = float(self._count)
+        """Merge the micro-batches' statistics (Chan et al.'s parallel variance, in float64) and move the running
+        statistics once, as BatchNorm on the whole mini-batch would.
+
+        The merge is a few matrix-vector products with weights that depend only on the micro-batch sizes (cached:
+        they repeat every step), because on the CPU each tensor operation here costs more than its arithmetic.
+        """
+        means = torch.stack(self._means, 1).double()  # (features, micro-batches)
+        variances = torch.stack(self._vars, 1).double()
+        share, within, between = self._weights(tuple(self._sizes), means.device)
+        mean = torch.mv(means, share)
+        deviation = (means - mean.unsqueeze(1)).square_()
+        unbiased = torch.addmv(torch.mv(variances, within), deviation, between)
         self.num_batches_tracked.add_(1)
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        unbiased = self._m2 / max(count - 1.0, 1.0)
-        self.running_mean.lerp_(self._mean.to(self.running_mean.dtype), factor)
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
         self._reset()
 
+    def _weights(self, sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """Per micro-batch of ``sizes`` values: its share of the mini-batch's mean, and the weights of its unbiased
+        variance and of its mean's squared deviation in the mini-batch's unbiased variance."""
+        cached = self._merge_weights.get((sizes, device))
+        if cached is None:
+            n = torch.tensor(sizes, dtype=torch.float64)
+            total = float(n.sum())
+            rest = max(total - 1.0, 1.0)
+            share, within, between = (w.to(device) for w in (n / total, (n - 1) / rest, n / rest))
+            cached = share, within, between
+            self._merge_weights = {(sizes, device): cached}  # one entry: the sizes of every full batch
+        return cached
+
     def _reset(self) -> None:
         """Forget a partial mini-batch."""
-        self._micro = 0
-        for buffer in (self._count, self._mean, self._m2):
-            buffer.zero_()
+        self._sizes, self._means, self._vars = [], [], []
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunks={self.chunks}"
