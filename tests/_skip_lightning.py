@@ -54,7 +54,7 @@ def pipelined(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """Fit 3 steps on [3, 5] with the monitor and save; resume to step 5 on [5, 3]."""
     from lightning_gpipe import GPipeStrategy, PipelineMonitor
 
-    monitor = PipelineMonitor()
+    monitor = PipelineMonitor(dirpath=directory)  # its trace goes to the test's directory, not the working one
     saver = ModelCheckpoint(directory, "skips", every_n_train_steps=FIT_STEPS, save_top_k=-1)  # while the pipe runs
     strategy = GPipeStrategy(chunks=B.CHUNKS, deferred_batch_norm=True, balance=FIT_BALANCE)
     trainer, first = fit(strategy, world_size, FIT_STEPS, callbacks=[monitor, saver])
