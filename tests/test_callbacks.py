@@ -93,6 +93,18 @@ def test_logged_per_stage_metrics_reach_the_csv_logger(monitored, stages):
 
 
 @pytest.mark.parametrize("stages", [2, 3])
+def test_every_stages_bubble_counts_over_the_first_stages_window_and_the_pipelines_is_their_mean(monitored, stages):
+    summary = monitored(stages)[0]["summary"]
+    busy = {s: v["forward"] + v["recompute"] + v["backward"] for s, v in summary.items()}
+    window = busy[0] / (1 - summary[0]["bubble"])  # the pipeline's window: the first stage's fill and drain
+    for stage, values in summary.items():
+        assert values["bubble"] == pytest.approx(1 - busy[stage] / window, abs=1e-9)
+    table = monitored(stages)[0]["table"]
+    measured = float(table.splitlines()[-1].split("measured ")[1].split(",")[0])
+    assert measured == pytest.approx(sum(v["bubble"] for v in summary.values()) / stages, abs=1e-3)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
 def test_the_progress_bar_shows_the_bubble_and_rank_0_logged_every_stage(monitored, stages):
     results = monitored(stages)
     for result in results:

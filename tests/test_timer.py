@@ -101,6 +101,24 @@ def test_derived_metrics_of_a_known_step():
     assert math.isnan(derived(StepRecord(0, 0.0, 0.0, []).totals())["utilization"])
 
 
+def test_the_bubble_of_a_later_stage_counts_over_the_pipelines_window_not_its_own():
+    # K=2, M=1, equal stages of one unit per pass: the first stage's fill and drain span 4 units, the last stage's
+    # only 3 (its fill starts when the first forward has arrived). GPipe's bubble is (K-1)/(M+K-1) = 0.5 for both.
+    last = StepRecord(
+        0,
+        1.0,
+        4.0,
+        [
+            Span("fill", -1, 1.0, 2.0),
+            Span("forward", 0, 1.0, 2.0),
+            Span("drain", -1, 2.0, 3.0),
+            Span("backward", 0, 2.0, 3.0),
+        ],
+    )
+    assert derived(last.totals())["bubble"] == 0.0  # over its own window: no bubble seen
+    assert derived(last.totals(), window=4.0)["bubble"] == 0.5  # over the first stage's: the theory
+
+
 def test_wall_clock_offset_places_perf_counter_on_the_hosts_clock():
     offset = wall_clock_offset()
     assert abs(time.perf_counter() + offset - time.time()) < 0.01

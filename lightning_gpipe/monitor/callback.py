@@ -32,7 +32,7 @@ class PipelineMonitor(Callback):
 
     Per stage and training step it measures forward, recompute, backward, wait (for a message or for
     the delivery of sends) and idle time; utilization (busy over the step's wall time); the bubble
-    (the share of the pipeline's fill and drain the stage was not busy) beside GPipe's
+    (the share of the pipeline's window, the first stage's fill and drain, the stage was not busy) beside GPipe's
     ``(K - 1) / (M + K - 1)``; and peak memory (CUDA max-allocated, or the process's peak RSS on the
     CPU). At every step Lightning writes logs (``log_every_n_steps``) the stages' averages since the
     last write are gathered (one small all-gather) and sent to the Trainer's loggers as
@@ -146,16 +146,19 @@ class PipelineMonitor(Callback):
             pooled[stage, :-1] += row[:-1]
             pooled[stage, -1] = max(pooled[stage, -1].item(), row[-1].item())
         per_stage: dict[int, dict[str, float]] = {}
-        busy = window = 0.0
+        counts = pooled[:, len(FIELDS)]
+        if counts[0] == 0:  # on a GPU, no step of the first stage had completed yet: no window to measure against
+            return per_stage, math.nan
+        window = pooled[0, FIELDS.index("window")].item() / counts[0].item()  # the pipeline's: the first stage's
+        busy = 0.0
         for stage, row in enumerate(pooled.tolist()):
             count = row[len(FIELDS)]
-            if count == 0:  # on a GPU, no step of this stage had completed yet
+            if count == 0:
                 continue
             totals = {f: row[j] / count for j, f in enumerate(FIELDS)}
             busy += totals["forward"] + totals["recompute"] + totals["backward"]
-            window += totals["window"]
             values = {k: v * 1e3 for k, v in totals.items() if k != "window"}  # seconds -> ms per step
-            extra = derived(totals)
+            extra = derived(totals, window)
             values.update(
                 idle=extra["idle"] * 1e3,
                 utilization=extra["utilization"],
@@ -163,7 +166,7 @@ class PipelineMonitor(Callback):
                 peak_memory_mb=row[-1] / 2**20,
             )
             per_stage[stage] = values
-        return per_stage, (max(1.0 - busy / window, 0.0) if window > 0 else math.nan)
+        return per_stage, (max(1.0 - busy / (stages * window), 0.0) if window > 0 else math.nan)
 
     def _log(
         self,
