@@ -93,12 +93,16 @@ def test_logged_per_stage_metrics_reach_the_csv_logger(monitored, stages):
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_every_stages_bubble_counts_over_the_first_stages_window_and_the_pipelines_is_their_mean(monitored, stages):
+def test_every_stages_bubble_counts_over_the_first_stages_window_and_utilization_over_the_longest_step(
+    monitored, stages
+):
     summary = monitored(stages)[0]["summary"]
     busy = {s: v["forward"] + v["recompute"] + v["backward"] for s, v in summary.items()}
     window = busy[0] / (1 - summary[0]["bubble"])  # the pipeline's window: the first stage's fill and drain
+    step = max(v["step"] for v in summary.values())  # the pipeline's step: its longest stage's
     for stage, values in summary.items():
         assert values["bubble"] == pytest.approx(1 - busy[stage] / window, abs=1e-9)
+        assert values["utilization"] == pytest.approx(busy[stage] / step, abs=1e-9)
     table = monitored(stages)[0]["table"]
     measured = float(table.splitlines()[-1].split("measured ")[1].split(",")[0])
     assert measured == pytest.approx(sum(v["bubble"] for v in summary.values()) / stages, abs=1e-3)

@@ -31,9 +31,9 @@ class PipelineMonitor(Callback):
     """Measures every stage of a ``strategy="gpipe"`` run: are the stages balanced, how large is the bubble.
 
     Per stage and training step it measures forward, recompute, backward, wait (for a message or for
-    the delivery of sends) and idle time; utilization (busy over the step's wall time); the bubble
-    (the share of the pipeline's window, the first stage's fill and drain, the stage was not busy) beside GPipe's
-    ``(K - 1) / (M + K - 1)``; and peak memory (CUDA max-allocated, or the process's peak RSS on the
+    the delivery of sends) and idle time; utilization (busy over the pipeline's step, its longest
+    stage's); the bubble (the share of the pipeline's window, the first stage's fill and drain, the
+    stage was not busy) beside GPipe's ``(K - 1) / (M + K - 1)``; and peak memory (CUDA max-allocated, or the process's peak RSS on the
     CPU). At every step Lightning writes logs (``log_every_n_steps``) the stages' averages since the
     last write are gathered (one small all-gather) and sent to the Trainer's loggers as
     ``pipeline/stage{k}/<name>`` (times in ms per step), with ``pipeline/bubble`` (also shown in the
@@ -150,6 +150,8 @@ class PipelineMonitor(Callback):
         if counts[0] == 0:  # on a GPU, no step of the first stage had completed yet: no window to measure against
             return per_stage, math.nan
         window = pooled[0, FIELDS.index("window")].item() / counts[0].item()  # the pipeline's: the first stage's
+        steps = [row[FIELDS.index("step")].item() / row[len(FIELDS)].item() for row in pooled if row[len(FIELDS)] > 0]
+        step = max(steps)  # the pipeline's step: its longest stage's (see `derived`)
         busy = 0.0
         for stage, row in enumerate(pooled.tolist()):
             count = row[len(FIELDS)]
@@ -158,7 +160,7 @@ class PipelineMonitor(Callback):
             totals = {f: row[j] / count for j, f in enumerate(FIELDS)}
             busy += totals["forward"] + totals["recompute"] + totals["backward"]
             values = {k: v * 1e3 for k, v in totals.items() if k != "window"}  # seconds -> ms per step
-            extra = derived(totals, window)
+            extra = derived(totals, window, step)
             values.update(
                 idle=extra["idle"] * 1e3,
                 utilization=extra["utilization"],

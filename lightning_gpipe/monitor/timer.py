@@ -77,11 +77,15 @@ class StepRecord:
         return out
 
 
-def derived(totals: dict[str, float], window: Optional[float] = None) -> dict[str, float]:
+def derived(totals: dict[str, float], window: Optional[float] = None, step: Optional[float] = None) -> dict[str, float]:
     """Idle seconds, utilization and measured bubble from (summed or averaged) :meth:`StepRecord.totals`.
 
-    - utilization: busy (forward + recompute + backward) over the step's wall time;
-    - idle: the step's time neither busy nor waiting (the loss, the optimizer, the framework);
+    - utilization: busy (forward + recompute + backward) over the pipeline's ``step`` (by default this
+      stage's own). A pipeline's stages share one step time, the longest stage's: Lightning 2.6 broadcasts a
+      flag over every rank at the start of each training step, before ``on_train_batch_start``, so a later
+      stage waits there for the first stage to end its drain, outside its own step (measured: 48 ms of a
+      245 ms step at K=2, which made that stage look 20% busier than it was);
+    - idle: this stage's step time neither busy nor waiting (the loss, the optimizer, the framework);
     - bubble: the share of the pipeline's ``window`` this stage was not busy, the measured counterpart of
       GPipe's ``(K - 1) / (M + K - 1)``; it also holds any imbalance between stages. The pipeline's window is
       the first stage's fill plus drain (give it as ``window``; by default this stage's own): the first stage
@@ -90,10 +94,11 @@ def derived(totals: dict[str, float], window: Optional[float] = None) -> dict[st
       is bubble too (measured at K=2, M=1: 0.42 that way, against 0.50 over the first stage's window).
     """
     busy = sum(totals[k] for k in COMPUTE)
-    step = totals["step"]
+    own = totals["step"]
+    step = own if step is None else step
     window = totals["window"] if window is None else window
     return {
-        "idle": max(step - busy - totals["wait"], 0.0),
+        "idle": max(own - busy - totals["wait"], 0.0),
         "utilization": busy / step if step > 0 else math.nan,
         "bubble": max(1.0 - busy / window, 0.0) if window > 0 else math.nan,
     }
