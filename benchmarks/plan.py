@@ -4,7 +4,7 @@
     python benchmarks/plan.py --models main --chunks 1 4 --modes except_last
 
 For each workload (AmoebaNet-D and the Transformer of ``_common.py``, and the main job's model,
-``configs/amoebanet_digits.yaml``: AmoebaNet-D (9, 32) on 8x8 digits, a batch of 64), K and M, rank 0
+``configs/amoebanet_digits.yaml``: AmoebaNet-D (9, 16) on 8x8 digits, a batch of 64), K and M, rank 0
 profiles the backbone once at every micro-batch size the grid uses (``profile_for_plan``), the link
 between the two processes is measured (``measure_link``), and the planner replays each step; then the
 same step runs on the bare engine (Adam, one thread per process, the planner's split by time) and its
@@ -36,7 +36,7 @@ MIB = 2**20
 
 
 def main_job_workload() -> C.Workload:
-    """The model and input of ``configs/amoebanet_digits.yaml``: AmoebaNet-D (9, 32), small stem, 8x8 grey digits."""
+    """The model and input of ``configs/amoebanet_digits.yaml``: AmoebaNet-D (9, 16), small stem, 8x8 grey digits."""
 
     def batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(n)
@@ -44,8 +44,8 @@ def main_job_workload() -> C.Workload:
 
     return C.Workload(
         "main",
-        "main job: AmoebaNet-D (9, 32), 8x8 digits",
-        lambda: amoebanetd(10, 9, 32, in_channels=1, stem="small"),
+        "main job: AmoebaNet-D (9, 16), 8x8 digits",
+        lambda: amoebanetd(10, 9, 16, in_channels=1, stem="small"),
         batch,
     )
 

@@ -17,7 +17,7 @@ def test_plan_prints_and_writes_every_k_marks_the_fastest_that_fits_and_skips_a_
     args = ["--config", CONFIG, "--devices", "1", "2", "99", "--chunks", "1", "4", "--repeats", "1", "--out", str(out)]
     report = plan_command([*args, "--memory", "1GiB", "--latency", "1e-4"])
     printed = capsys.readouterr().out
-    assert "K=99: skipped, the backbone has only 7 layers" in printed
+    assert "K=99: skipped, the backbone has only 13 layers" in printed
     assert printed.count("| choice |") == 2 and "K=2 (a batch of 64)" in printed
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert [p["stages"] for p in report["plans"]] == [1, 2] and report["link"]["latency"] == 1e-4

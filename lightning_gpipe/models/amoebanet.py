@@ -152,7 +152,7 @@ def amoebanetd(
     ``num_layers`` (L) normal cells, in three groups of L/3 separated by two reduction cells that halve
     the resolution and double the width; ``num_filters`` (D) is the width of the first group. The GPipe
     paper's sizes: (18, 208) is 81.5M parameters for 1000 classes, (18, 416) is 319.0M, (18, 544) 542.7M.
-    A CPU size: ``amoebanetd(10, 3, 16, in_channels=1, stem="small")``, 97k parameters, trains on the 8x8
+    A CPU size: ``amoebanetd(10, 9, 16, in_channels=1, stem="small")``, 246k parameters, trains on the 8x8
     digits in seconds per epoch (the main job, ``configs/amoebanet_digits.yaml``).
 
     Args:
