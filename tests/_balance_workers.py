@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import _models as M
@@ -15,6 +16,16 @@ class Broken(nn.Module):
 
     def forward(self, x):
         raise RuntimeError("this layer is broken")
+
+
+class _NoSample(M.Net):
+    """Its training_step never calls the backbone before it fails, and it has no `example_input_array`:
+    no sample micro-batch can be taken for profiling (a step that needs the optimizers, say)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.optimizers == []:  # at setup, when the split is chosen
+            raise RuntimeError("no optimizers yet")
+        return super().training_step(batch, batch_idx)
 
 
 class _Records(logging.Handler):
@@ -55,6 +66,28 @@ def measured_balance(devices: int) -> dict[str, Any]:
         finally:
             logger.removeHandler(records)
         results[kind] = {"balance": chosen.balance, "costs": trainer.strategy.layer_costs, "log": records.messages}
+    for name, model in (("default", M.Net(stem=True)), ("default, no sample", _NoSample())):
+        records, chosen = _Records(), _ChosenSplit()
+        logger.addHandler(records)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                L.seed_everything(0, verbose=False)
+                trainer = L.Trainer(
+                    strategy=GPipeStrategy(chunks=2),
+                    devices=devices,
+                    callbacks=[chosen],
+                    **M.trainer_kwargs(max_steps=1),
+                )
+                trainer.fit(model, M.loader())
+        finally:
+            logger.removeHandler(records)
+        results[name] = {
+            "balance": chosen.balance,
+            "costs": trainer.strategy.layer_costs,
+            "log": records.messages,
+            "warnings": [str(w.message) for w in caught],
+        }
     model = M.Net()
     model.backbone.insert(3, Broken())
     trainer = L.Trainer(

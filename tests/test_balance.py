@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from test_fidelity import assert_same_training
 
 from lightning_gpipe import GPipeStrategy, balance
+from lightning_gpipe.engine.partition import balance_by_params
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -52,6 +53,34 @@ def test_the_chosen_split_is_logged_on_rank_0_as_a_table(pipeline_runs):
     assert sum(float(r[4]) for r in rows) == pytest.approx(100, abs=0.2)
     assert sum(float(r[5]) for r in rows) == pytest.approx(100, abs=0.2)
     assert not any("GPipe split" in m or "Profiled" in m for m in second["time"]["log"])
+
+
+def test_the_default_balance_splits_by_measured_time_and_says_so(pipeline_runs):
+    first, second = (r["measured balance"]["default"] for r in pipeline_runs(2))
+    assert first["balance"] == second["balance"] == balance(first["costs"].time, 2)
+    assert first["costs"].time == second["costs"].time  # measured once, on rank 0, and broadcast
+    log = "\n".join(first["log"])
+    assert "GPipe split of `backbone` into 2 stages by the default balance (time):" in log
+    assert not any("GPipe split" in m for m in second["log"])
+
+
+def test_the_default_balance_without_a_sample_splits_by_params_and_warns_on_rank_0(pipeline_runs):
+    first, second = (r["measured balance"]["default, no sample"] for r in pipeline_runs(2))
+    assert first["balance"] == second["balance"] == balance_by_params(M.Net().backbone, 2)
+    assert first["costs"] is None
+    warned = [w for w in first["warnings"] if "The default balance (by measured time) splits by parameter count" in w]
+    assert len(warned) == 1 and "needs a sample micro-batch, but none could be taken" in warned[0]
+    assert not any("The default balance" in w for w in second["warnings"])
+    assert "GPipe split of `backbone` into 2 stages by the default balance (params):" in "\n".join(first["log"])
+
+
+def test_the_default_balance_measures_nothing_for_one_stage(caplog):
+    strategy = GPipeStrategy()
+    trainer = L.Trainer(strategy=strategy, devices=1, **M.trainer_kwargs(max_steps=1))
+    with lightning_log(caplog):
+        trainer.fit(M.Net(), M.loader())
+    assert "into 1 stage by the default balance (one stage: nothing to measure):" in caplog.text
+    assert strategy.layer_costs is None and "Profiled" not in caplog.text
 
 
 def test_a_layer_that_fails_during_profiling_is_named_on_every_rank(pipeline_runs):

@@ -161,3 +161,36 @@ def test_capture_input_stops_at_the_backbone_and_restores_the_stem():
     assert torch.equal(stem[1].running_mean, before)
     with pytest.raises(LookupError, match="without calling the backbone"):
         capture_input(backbone, lambda: stem(torch.randn(2, 4)))
+
+
+def test_capture_input_leaves_metrics_as_they_were_and_logs_nothing():
+    import torchmetrics
+
+    class Step(nn.Module):
+        """A LightningModule's shape: a metric updated and a value logged before the backbone is called."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(Boom())
+            self.seen = torchmetrics.SumMetric()
+            self.labels = torchmetrics.CatMetric()
+            self.logged: list[str] = []
+
+        def log(self, name: str, value: object) -> None:
+            self.logged.append(name)
+
+        def training_step(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.update(torch.tensor(float(len(x))))
+            self.labels.update(x[:, 0])
+            self.log("seen", self.seen)
+            return self.backbone(x)
+
+    module = Step()
+    module.seen.update(torch.tensor(2.0))  # a batch seen before
+    x = capture_input(module.backbone, lambda: module.training_step(torch.randn(5, 2)), owner=module)
+    assert x.shape == (5, 2)
+    assert module.seen.compute().item() == 2.0 and module.seen._update_count == 1  # as before the capture
+    assert module.labels._update_count == 0
+    assert module.logged == [] and "log" not in vars(module)  # silenced, and the method is back
+    module.log("after", 1)
+    assert module.logged == ["after"]

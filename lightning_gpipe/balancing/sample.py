@@ -8,6 +8,8 @@ may not fit on one device. Plain PyTorch: the LightningModule is used through it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.rng import isolated_rng
 
-__all__ = ["backbone_sample", "capture_input", "sample_micro_batch"]
+__all__ = ["NoSampleError", "backbone_sample", "capture_input", "sample_micro_batch"]
 
 
 def sample_micro_batch(batch: Any, chunks: int) -> Any:
@@ -32,6 +34,10 @@ def sample_micro_batch(batch: Any, chunks: int) -> Any:
     return microbatch.map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), first)
 
 
+class NoSampleError(ValueError):
+    """No sample micro-batch of the backbone's input could be taken (see :func:`backbone_sample`)."""
+
+
 class _Captured(BaseException):
     # A BaseException, so that a user's `except Exception` between the call and the backbone does not swallow it.
     pass
@@ -41,8 +47,10 @@ def capture_input(target: nn.Module, run: Callable[[], Any], owner: Optional[nn.
     """The input that ``run()`` passes to ``target``; ``target`` and whatever comes after it do not run.
 
     This finds what a backbone receives from code around it (a ``training_step``, a stem) without
-    running the backbone, which may not fit on one device. The buffers of ``owner`` (say the
-    LightningModule: a stem's BatchNorm statistics) and the random state are put back afterwards.
+    running the backbone, which may not fit on one device. What that code changes on its way there is put
+    back afterwards (see :func:`_kept`): the random state, the buffers of ``owner`` (say the LightningModule:
+    a stem's BatchNorm statistics) and the states of its metrics (a ``torchmetrics`` metric updated before
+    the call would otherwise count the batch twice); its ``log`` and ``log_dict`` do nothing meanwhile.
     Returns detached tensors that keep their ``requires_grad``; raises ``LookupError`` if ``run``
     returns without calling ``target``.
     """
@@ -53,22 +61,63 @@ def capture_input(target: nn.Module, run: Callable[[], Any], owner: Optional[nn.
         box["input"] = values[0] if len(values) == 1 else values
         raise _Captured
 
-    inside = {id(b) for b in target.buffers()}
-    saved = [(b, b.detach().clone()) for b in (owner.buffers() if owner is not None else ()) if id(b) not in inside]
     handle = target.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with isolated_rng(torch.device("cpu")):
+        with _kept(owner, target), isolated_rng(torch.device("cpu")):
             run()
     except _Captured:
         pass
     finally:
         handle.remove()
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
     if "input" not in box:
         raise LookupError("the code ran to the end without calling the backbone")
     return microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), box["input"])
+
+
+def _is_metric(module: nn.Module) -> bool:
+    # torchmetrics' Metric, recognized by what this module uses of it, so that profiling needs no torchmetrics
+    return isinstance(getattr(module, "_defaults", None), dict) and callable(getattr(module, "_copy_state_dict", None))
+
+
+@contextmanager
+def _kept(owner: Optional[nn.Module], target: nn.Module) -> Iterator[None]:
+    """Inside: ``owner``'s code runs as usual; after: its buffers (outside ``target``) and metric states are as
+    before, and ``owner.log`` / ``owner.log_dict`` (a LightningModule's) logged nothing.
+
+    A metric's state is its registered states (``_defaults``) with its update count and cached result, the
+    parts that ``torchmetrics`` itself saves and restores around a ``forward``.
+    """
+    if owner is None:
+        yield
+        return
+    inside = {id(b) for b in target.buffers()}
+    buffers = [(b, b.detach().clone()) for b in owner.buffers() if id(b) not in inside]
+    metrics = [m for m in owner.modules() if _is_metric(m)]
+    states = [(m, _metric_state(m)) for m in metrics]
+    silenced = [name for name in ("log", "log_dict") if callable(getattr(owner, name, None))]
+    for name in silenced:
+        setattr(owner, name, _ignore)  # an instance attribute: the class's method is back once it is deleted
+    try:
+        yield
+    finally:
+        for name in silenced:
+            delattr(owner, name)
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        for metric, state in states:
+            for key, value in state.items():
+                setattr(metric, key, value)
+
+
+def _metric_state(metric: nn.Module) -> dict[str, Any]:
+    copy: Callable[[], dict[str, Any]] = getattr(metric, "_copy_state_dict")  # noqa: B009  # typed: a module attribute
+    extra = {k: getattr(metric, k) for k in ("_update_count", "_computed") if hasattr(metric, k)}
+    return {**copy(), **extra}
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def backbone_sample(
@@ -80,7 +129,7 @@ def backbone_sample(
     that takes it and the loader's name (the strategy finds it), run through the batch-transfer
     hooks and that step (``training_step`` when fitting) until the step calls the backbone.
     Second: ``example_input_array``, run through ``forward``. Nothing after the backbone's input
-    runs; see :func:`capture_input`. Raises ``ValueError`` if neither works.
+    runs; see :func:`capture_input`. Raises :class:`NoSampleError` if neither works.
     """
     tried = []
     found = first_batch
@@ -112,7 +161,7 @@ def backbone_sample(
             return _described(sample_micro_batch(x, chunks), "`example_input_array`")
         except Exception as error:
             tried.append(f"`forward(example_input_array)` did not call `self.{name}` ({type(error).__name__}: {error})")
-    raise ValueError(
+    raise NoSampleError(
         "Profiling the backbone (balance='time' or 'memory') needs a sample micro-batch, but none could be taken: "
         + "; ".join(tried)
         + ". Set `self.example_input_array` to an input of `forward` that calls the backbone, "

@@ -187,6 +187,7 @@ class Inbox:
             works.append(dist.irecv(value, self.src, group=self.group))
             values.append(value)
         for work in works:
+            assert work is not None  # this rank is in the pair's group: the inbox was made for it
             work.wait()
         return values
 

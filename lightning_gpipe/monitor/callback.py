@@ -33,9 +33,10 @@ class PipelineMonitor(Callback):
     Per stage and training step it measures forward, recompute, backward, wait (for a message or for
     the delivery of sends) and idle time; utilization (busy over the pipeline's step, its longest
     stage's); the bubble (the share of the pipeline's window, the first stage's fill and drain, the
-    stage was not busy) beside GPipe's ``(K - 1) / (M + K - 1)``; and peak memory (CUDA max-allocated, or the process's peak RSS on the
-    CPU). At every step Lightning writes logs (``log_every_n_steps``) the stages' averages since the
-    last write are gathered (one small all-gather) and sent to the Trainer's loggers as
+    stage was not busy) beside GPipe's ``(K - 1) / (M + K - 1)``; and peak memory (CUDA
+    max-allocated, or the process's peak RSS on the CPU). At every step Lightning writes logs
+    (``log_every_n_steps``) the stages' averages since the last write are gathered (one small
+    all-gather) and sent to the Trainer's loggers as
     ``pipeline/stage{k}/<name>`` (times in ms per step), with ``pipeline/bubble`` (also shown in the
     progress bar) and ``pipeline/bubble_theory``; they are also in ``trainer.logged_metrics``. At the
     end of fit rank 0 prints a table per stage and writes the timeline of ``trace_steps`` as a Chrome
