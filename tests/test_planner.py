@@ -11,14 +11,16 @@ from torch import nn
 from lightning_gpipe.balancing.plan import (
     CostModel,
     LinkModel,
+    LiveBytes,
     StageCost,
     StepCosts,
     checkpoint_modes,
+    measure_updates,
     plan,
     plan_table,
+    profile_for_plan,
     simulate,
 )
-from lightning_gpipe.balancing.plan.measure import update_times
 from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers
 from lightning_gpipe.engine.checkpoint import checkpointed, keep
 from lightning_gpipe.engine.schedule import bubble_fraction, fill_drain
@@ -253,8 +255,11 @@ def test_profiling_times_the_forward_and_the_backward_apart_and_records_what_cro
 def test_each_layers_optimizer_step_is_timed_on_copies_and_ends_its_stages_step():
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
     before = [p.detach().clone() for p in model.parameters()]
-    times = update_times(model, repeats=2)
+    updates = measure_updates(model, repeats=2)
+    times = updates.times
     assert times[1] == 0.0 and times[0] > 0 and times[2] > 0  # a layer without parameters has no step
+    assert updates.working[1] == 0 and updates.working[0] >= 256 * 256 * 4  # Adam's denominator of the weight
+    assert not updates.together  # on the CPU torch's Adam updates one tensor at a time
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # copies: the model is untouched
     assert all(p.grad is None for p in model.parameters())
     costs = profile(2, [1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [8, 8, 8], [8, 8, 8])
@@ -264,3 +269,57 @@ def test_each_layers_optimizer_step_is_timed_on_copies_and_ends_its_stages_step(
     assert simulate(timed, "never").step == pytest.approx(simulate(untimed, "never").step + 0.5)  # stage 0 ends last
     with pytest.raises(ValueError, match="one time per layer"):
         CostModel([costs], update=[0.5])
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_the_optimizer_steps_temporaries_are_a_stages_peak_when_they_exceed_its_activations(together):
+    costs = profile(2, [1.0] * 3, [2.0] * 3, [8, 8, 8], [8, 8, 8])
+    model = CostModel([costs], update_working=[1000, 0, 3000], update_together=together)
+    step = model.step_costs([3], batch_size=2, chunks=1)
+    assert step.update_working == [4000 if together else 3000]  # foreach kernels hold every tensor's at once
+    bare = simulate(CostModel([costs]).step_costs([3], batch_size=2, chunks=1), "always").stages[0].peak_memory
+    assert simulate(step, "always").stages[0].peak_memory == 3 * 400 + 2 * 8 + step.update_working[0]
+    assert bare < 3 * 400 + step.update_working[0]
+    with pytest.raises(ValueError, match="one size per layer"):
+        CostModel([costs], update_working=[1])
+
+
+class BroadcastMatmul(nn.Module):
+    """``x @ w`` as a broadcast product and a sum: the forward keeps only ``x`` and ``w``, but the backward expands
+    the output's gradient to (batch, d, d), as attention's backward expands to its scores."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(2) * self.w).sum(1)
+
+
+def test_the_predicted_peak_of_a_one_stage_step_is_the_tensor_bytes_a_real_step_holds():
+    # The cost model's bytes against a real training step (Adam, one micro-batch, no checkpointing) followed by
+    # LiveBytes. Here the backward's working memory is the peak: measured per layer, not guessed from what the
+    # forward saves (that guess is a tenth of it).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), BroadcastMatmul(128), nn.Linear(128, 10))
+    x = torch.randn(64, 32)
+    costs = profile_for_plan(model, x, [64], repeats=1)
+    predicted = simulate(costs.step_costs([len(model)], batch_size=64, chunks=1), "never").peak_memory
+    optimizer = torch.optim.Adam(model.parameters())
+    for _ in range(2):  # the state exists, and gradients are left from the step before, as in training
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    with LiveBytes([*params, *(p.grad for p in params), *state]) as live:
+        live.mark("start")
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    measured = live.peak("start")
+    assert measured > 64 * 128 * 128 * 4  # the (batch, d, d) gradient
+    assert predicted == pytest.approx(measured, rel=0.05)
+    costs.measured_working = False  # the guess from saved activations alone
+    guessed = simulate(costs.step_costs([len(model)], batch_size=64, chunks=1), "never").peak_memory
+    assert guessed < measured / 2

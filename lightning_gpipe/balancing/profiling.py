@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager, NamedTuple, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.rng import isolated_rng
 from lightning_gpipe.engine.skip import SkipKey, SkipTracker, find_skips, use_tracker
@@ -43,8 +44,11 @@ class LayerCosts:
     boundary, and its gradient back), ``input_counted`` (bytes of the layer's input that its own
     ``activation_bytes`` count) and ``output_counted`` (bytes of its output it saves itself). The last
     two let a stage's kept memory count its input and output once, wherever the boundary falls.
-    ``batch`` is the micro-batch size profiled (0: unknown). The extra fields are empty in costs built
-    by hand for a split.
+    ``backward_working`` is the most bytes the layer's backward allocates beyond what the forward left
+    (gradients of its intermediate tensors and of its input, a kernel's temporaries; the parameter
+    gradients, which a step keeps in ``.grad`` anyway, left out), measured with
+    :class:`~lightning_gpipe.balancing.live_bytes.LiveBytes`. ``batch`` is the micro-batch size profiled (0:
+    unknown). The extra fields are empty in costs built by hand for a split.
 
     >>> costs = LayerCosts(params=[10, 0], time=[2.0, 1.0], state_bytes=[160, 0], activation_bytes=[40, 40])
     >>> costs.of("memory"), costs.of("params")
@@ -61,6 +65,7 @@ class LayerCosts:
     input_counted: tuple[int, ...] = ()
     output_counted: tuple[int, ...] = ()
     batch: int = 0
+    backward_working: tuple[int, ...] = ()
 
     @property
     def memory(self) -> list[float]:
@@ -121,6 +126,7 @@ def profile_layers(
     outputs = [0] * len(module)
     inputs_counted = [0] * len(module)
     outputs_counted = [0] * len(module)
+    workings = [0] * len(module)
     pops = {route.key: route.pop_layer for route in find_skips(module) if route.pop_layer != route.stash_layer}
     # Whole sweeps, not repeats of one layer in a row: each layer then meets the caches and the
     # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
@@ -133,7 +139,7 @@ def profile_layers(
                 try:
                     received = {k: waiting.pop(k) for k, at in pops.items() if at == index and k in waiting}
                     x, measured, input_saved, leaving = _profile_layer(
-                        layer, x, input_saved, device, context, received, set(pops)
+                        layer, x, input_saved, device, context, received, set(pops), count=sweep == 0
                     )
                     waiting.update({k: t.detach().requires_grad_(t.requires_grad) for k, t in leaving.items()})
                 except Exception as error:
@@ -146,6 +152,7 @@ def profile_layers(
                     outputs[index] = measured.output
                     inputs_counted[index] = measured.input_counted
                     outputs_counted[index] = measured.output_counted
+                    workings[index] = measured.backward_working
                 else:
                     times[index].append(measured.forward + measured.backward)
                     forwards[index].append(measured.forward)
@@ -163,6 +170,7 @@ def profile_layers(
         input_counted=tuple(inputs_counted),
         output_counted=tuple(outputs_counted),
         batch=microbatch.batch_size(sample),
+        backward_working=tuple(workings),
     )
 
 
@@ -187,6 +195,7 @@ class _Measured(NamedTuple):
     output: int
     input_counted: int
     output_counted: int
+    backward_working: int
 
 
 def _device_of(layer: nn.Module) -> Optional[torch.device]:
@@ -211,12 +220,14 @@ def _profile_layer(
     context: Callable[[], ContextManager[Any]],
     received: dict[SkipKey, Tensor],
     crossing: set[SkipKey],
+    count: bool = False,
 ) -> tuple[Any, _Measured, list[bool], dict[SkipKey, Tensor]]:
     """One forward and backward of one layer on ``device``.
 
     Returns its output, its times and bytes, which outputs it saved, and the skips it stashed for
     later layers (``crossing`` names the skips whose pop is in another layer; ``received`` are the skips
-    this layer pops, from earlier layers).
+    this layer pops, from earlier layers). ``count``: the sweep that counts bytes, which also follows the
+    backward's allocations (slower, so not a timed sweep).
     """
     home = _device_of(layer)
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
@@ -233,8 +244,20 @@ def _profile_layer(
             return t
 
         tracker = SkipTracker(received, record=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), use_tracker(tracker):
-            y, leaving, forward, backward = _forward_backward(layer, x, context, tracker, received, crossing, device)
+        live = LiveBytes() if count else None
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            use_tracker(tracker),
+            live if live is not None else contextlib.nullcontext(),
+        ):
+            y, leaving, forward, backward, grads = _forward_backward(
+                layer, x, context, tracker, received, crossing, device, live
+            )
+        working = 0
+        if live is not None:  # what the backward added beyond its start, the parameters' gradients aside
+            owned = {id(p) for p in layer.parameters()}
+            kept = [g for g, target in grads if g is not None and id(target) in owned]
+            working = max(live.peak("backward", leave_out=kept) - live.held("backward", leave_out=kept), 0)
         outputs_saved = [_storage(t)[0] in saved for t in microbatch.as_tuple(y)]
         output_storages = {_storage(t) for t in microbatch.as_tuple(y)}
         input_storages = {_storage(t) for t in microbatch.tensors(x)}
@@ -252,7 +275,7 @@ def _profile_layer(
             layer.to(home)
     y = microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), y)
     output = sum(t.numel() * t.element_size() for t in microbatch.as_tuple(y))
-    measured = _Measured(forward, backward, sum(saved.values()), output, input_counted, output_counted)
+    measured = _Measured(forward, backward, sum(saved.values()), output, input_counted, output_counted, working)
     return y, measured, outputs_saved, leaving
 
 
@@ -264,8 +287,11 @@ def _forward_backward(
     received: dict[SkipKey, Tensor],
     crossing: set[SkipKey],
     device: torch.device,
-) -> tuple[Any, dict[SkipKey, Tensor], float, float]:
-    """The layer's output and stashed skips, and the seconds of its forward and of its backward."""
+    live: Optional[LiveBytes] = None,
+) -> tuple[Any, dict[SkipKey, Tensor], float, float, list[tuple[Optional[Tensor], Tensor]]]:
+    """The layer's output and stashed skips, the seconds of its forward and of its backward, and each gradient
+    the backward computed with the tensor it is of. ``live`` gets the mark ``"backward"`` at the backward's start.
+    """
     # torch.autograd.grad, not backward(): the parameters' .grad must stay as it was.
     _synchronize(device)
     start = time.perf_counter()
@@ -277,15 +303,21 @@ def _forward_backward(
     outputs = [t for t in [*microbatch.as_tuple(y), *leaving.values()] if t.requires_grad]
     inputs = [*microbatch.tensors(x), *received.values()]
     wrt = [t for t in inputs if t.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
+    grads: list[tuple[Optional[Tensor], Tensor]] = []
     if outputs and wrt:
         gradients = [torch.ones_like(t) for t in outputs]
+        if live is not None:
+            live.mark("backward")
         middle_grads = time.perf_counter()  # the seed gradients are the pipeline's received ones: not the layer's
-        torch.autograd.grad(outputs, wrt, gradients, allow_unused=True)
+        computed = torch.autograd.grad(outputs, wrt, gradients, allow_unused=True)
         _synchronize(device)
         backward = time.perf_counter() - middle_grads
+        grads = list(zip(computed, wrt))
     else:
         backward = 0.0
-    return y, leaving, middle - start, backward
+        if live is not None:
+            live.mark("backward")
+    return y, leaving, middle - start, backward, grads
 
 
 def _synchronize(device: torch.device) -> None:

@@ -20,7 +20,15 @@ from lightning_gpipe.engine.partition import stage_bounds
 
 __all__ = ["CostModel", "LayerRow"]
 
-_FIELDS = ("forward", "backward", "activation_bytes", "output_bytes", "input_counted", "output_counted")
+_FIELDS = (
+    "forward",
+    "backward",
+    "activation_bytes",
+    "output_bytes",
+    "input_counted",
+    "output_counted",
+    "backward_working",
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class LayerRow:
     output_bytes: float
     input_counted: float
     output_counted: float
+    backward_working: float
 
 
 class CostModel:
@@ -46,7 +55,13 @@ class CostModel:
     1.6666666666666665
     """
 
-    def __init__(self, profiles: Sequence[LayerCosts], update: Sequence[float] = ()) -> None:
+    def __init__(
+        self,
+        profiles: Sequence[LayerCosts],
+        update: Sequence[float] = (),
+        update_working: Sequence[int] = (),
+        update_together: bool = False,
+    ) -> None:
         if not profiles:
             raise ValueError("The planner needs at least one profile of the backbone's layers.")
         for costs in profiles:
@@ -64,8 +79,17 @@ class CostModel:
         self.params = list(self.profiles[0].params)
         if update and len(update) != len(self.params):
             raise ValueError(f"`update` needs one time per layer ({len(self.params)}), got {len(update)}.")
+        if update_working and len(update_working) != len(self.params):
+            raise ValueError(
+                f"`update_working` needs one size per layer ({len(self.params)}), got {len(update_working)}."
+            )
         #: Seconds of each layer's optimizer step (empty: not measured, counted as free).
         self.update = [float(u) for u in update]
+        #: Bytes each layer's optimizer step allocates, and whether a stage's add up (see ``UpdateCosts``).
+        self.update_working = [int(w) for w in update_working]
+        self.update_together = update_together
+        #: Whether the profiles measured each layer's backward working bytes (see :class:`LayerCosts`).
+        self.measured_working = all(len(c.backward_working) == len(self.params) for c in self.profiles)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -76,7 +100,7 @@ class CostModel:
         return [LayerRow(*(values[name][j] for name in _FIELDS)) for j in range(len(self))]
 
     def _at(self, name: str, size: float) -> list[float]:
-        points = [(c.batch, getattr(c, name)) for c in self.profiles]
+        points = [(c.batch, getattr(c, name) or (0,) * len(self)) for c in self.profiles]
         if len(points) == 1:
             batch, values = points[0]
             return [float(v) * size / batch for v in values]
@@ -112,7 +136,9 @@ class CostModel:
         last = self.layers(batch_size)[-1]
         if not update and self.update:
             update = [sum(self.update[a:b]) for a, b in bounds]
-        return StepCosts(micro, state, output=int(last.output_bytes), head=head, update=update)
+        combine = sum if self.update_together else (lambda part: max(part, default=0))
+        working = [int(combine(self.update_working[a:b])) for a, b in bounds] if self.update_working else []
+        return StepCosts(micro, state, output=int(last.output_bytes), head=head, update=update, update_working=working)
 
     def _stage(self, rows: list[LayerRow], start: int, stop: int, size: int) -> StageCost:
         """One micro-batch on layers ``start..stop - 1``: a stage's passes, and what it keeps (each tensor once)."""
@@ -124,8 +150,10 @@ class CostModel:
         output = part[-1].output_bytes
         activations = sum(r.activation_bytes for r in part)
         kept = activations - part[0].input_counted + received + output - part[-1].output_counted
-        # A layer's backward holds gradients of about what its forward saved, besides the one flowing through.
-        working = max(max(r.activation_bytes + r.output_bytes for r in part), 2 * received)
+        if self.measured_working:  # each layer's backward: the gradient arriving, plus what the backward allocates
+            working = max(r.output_bytes + r.backward_working for r in part)
+        else:  # a profile without it: a layer's backward holds gradients of about what its forward saved
+            working = max(max(r.activation_bytes + r.output_bytes for r in part), 2 * received)
         forward = sum(r.forward for r in part)
         return StageCost(
             forward=forward,

@@ -4,7 +4,8 @@ One profile per size: a layer's time at a small micro-batch is mostly fixed cost
 mostly per-sample cost, and no single size tells both (see :mod:`.costs`). Each profile is
 :func:`~lightning_gpipe.balancing.profile_layers` on the first ``size`` samples of one batch of the
 backbone's input, so the plan's costs come from the data it will train on. Each layer's optimizer
-step is timed too (:func:`update_times`): it ends every stage's step, after its drain.
+step is measured too (:func:`measure_updates`): it ends every stage's step, after its drain, and its
+temporaries can be a stage's peak when checkpointing leaves few activations.
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ import contextlib
 import statistics
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, ContextManager, Union
 
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.balancing.plan.costs import CostModel
 from lightning_gpipe.balancing.profiling import profile_layers
 from lightning_gpipe.engine import microbatch
 
-__all__ = ["micro_batch_sizes", "profile_for_plan", "update_times"]
+__all__ = ["UpdateCosts", "measure_updates", "micro_batch_sizes", "profile_for_plan"]
 
 
 def micro_batch_sizes(batch_size: int, chunks: Iterable[int]) -> list[int]:
@@ -54,34 +57,51 @@ def profile_for_plan(
         profiles.append(
             profile_layers(module, part, device, repeats=repeats, optimizer_states=optimizer_states, context=context)
         )
-    return CostModel(profiles, update=update_times(module, device, optimizer_states=optimizer_states))
+    updates = measure_updates(module, device, optimizer_states=optimizer_states)
+    return CostModel(profiles, update=updates.times, update_working=updates.working, update_together=updates.together)
 
 
-def update_times(
+@dataclass(frozen=True)
+class UpdateCosts:
+    """Each layer's optimizer step: ``times`` in seconds, and the ``working`` bytes it allocates beyond the
+    parameters, gradients and state (temporaries such as Adam's denominator). ``together``: the optimizer
+    updates all of a stage's tensors in one go (torch's foreach kernels, its default on CUDA), so a stage's
+    temporaries add up; otherwise one tensor at a time (its default on the CPU), so the largest layer's count.
+    """
+
+    times: list[float]
+    working: list[int]
+    together: bool
+
+
+def measure_updates(
     module: nn.Sequential,
     device: Union[torch.device, str, None] = None,
     *,
     optimizer_states: float = 2.0,
     repeats: int = 5,
-) -> list[float]:
-    """Seconds of one optimizer step over each layer's trainable parameters, on copies moved to ``device``.
+) -> UpdateCosts:
+    """One optimizer step over each layer's trainable parameters, timed and its bytes followed, on copies moved
+    to ``device``.
 
     The optimizer does not exist when the plan is made (Lightning builds it for the local stage after
     the split), so it is assumed as :func:`~lightning_gpipe.balancing.state_bytes` assumes its state:
     2 states per parameter is Adam, 1 is SGD with momentum, 0 plain SGD. Copies keep the module's
     parameters and any optimizer untouched; the median of ``repeats`` steps after a first one (which
-    creates the state) is the time.
+    creates the state) is the time, and one more step, followed by :class:`LiveBytes`, gives the bytes.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
-    times = []
+    times, working, together = [], [], False
     for layer in module:
         params = [p.detach().to(device).clone().requires_grad_() for p in layer.parameters() if p.requires_grad]
         if not params:
             times.append(0.0)
+            working.append(0)
             continue
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
         optimizer = _assumed_optimizer(params, optimizer_states)
+        together = together or _updates_together(params)
         samples = []
         for attempt in range(repeats + 1):
             _synchronize(device)
@@ -91,7 +111,19 @@ def update_times(
             if attempt:
                 samples.append(time.perf_counter() - start)
         times.append(statistics.median(samples))
-    return times
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+        with LiveBytes([*params, *(p.grad for p in params if p.grad is not None), *state]) as live:
+            live.mark("start")
+            optimizer.step()
+        working.append(max(live.peak("start") - live.held("start"), 0))
+    return UpdateCosts(times, working, together)
+
+
+def _updates_together(params: list[Tensor]) -> bool:
+    # torch's own rule for an optimizer left at its default implementation; no public function tells it
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    return bool(_default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1])
 
 
 def _assumed_optimizer(params: list[Tensor], states: float) -> torch.optim.Optimizer:

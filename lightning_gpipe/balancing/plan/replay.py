@@ -14,7 +14,7 @@ a stage that must wait for its sends to be delivered before it returns. Per stag
 4. **Drain**: micro-batches in reverse; a checkpointed one is recomputed first (it needs nothing from the
    next stage, so it overlaps the wait), then its backward starts when its output gradient has arrived;
    the input gradient goes to the previous stage. The stage ends when its last send is delivered, plus
-   ``update`` seconds (the optimizer).
+   ``update`` seconds (the optimizer), which needs ``update_working`` bytes while it runs.
 
 Messages on one link (a pair of stages, one direction) go one after another. Memory is followed along
 the same tasks: a stage holds its state (parameters, gradients, optimizer state) and the backbone's
@@ -62,7 +62,8 @@ class StepCosts:
     ``state`` is each stage's parameter, gradient and optimizer-state bytes; ``output`` the bytes of the
     backbone's output for the whole batch (shared to every stage); ``head`` the seconds every rank
     spends between its fill and its drain (the loss, layers outside the backbone); ``update`` each
-    stage's seconds after its drain (the optimizer step).
+    stage's seconds after its drain (the optimizer step), and ``update_working`` the bytes that step
+    allocates beyond the state while it runs.
     """
 
     micro: Sequence[Sequence[StageCost]]
@@ -70,14 +71,16 @@ class StepCosts:
     output: int = 0
     head: float = 0.0
     update: Sequence[float] = ()
+    update_working: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         if not self.micro or not self.micro[0]:
             raise ValueError("A step needs at least one stage and one micro-batch.")
         if any(len(row) != len(self.micro[0]) for row in self.micro):
             raise ValueError("Every stage must have a cost for every micro-batch.")
-        if len(self.state) != len(self.micro) or (self.update and len(self.update) != len(self.micro)):
-            raise ValueError("`state` (and `update`, if given) need one entry per stage.")
+        given = [x for x in (self.update, self.update_working) if x]
+        if len(self.state) != len(self.micro) or any(len(x) != len(self.micro) for x in given):
+            raise ValueError("`state` (and `update` and `update_working`, if given) need one entry per stage.")
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,7 @@ def simulate(costs: StepCosts, checkpoint: str, link: LinkModel = LinkModel()) -
                     delivered = max(delivered, sent[i])
             spans.append(Span(s, task.kind, i, start, now))
         ends[s] = max(now, delivered) + (costs.update[s] if costs.update else 0.0)
+        memory[s].during(costs.update_working[s] if costs.update_working else 0)
         gradient = sent
     step = max(ends)
     per_stage = []
