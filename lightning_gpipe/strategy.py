@@ -115,8 +115,8 @@ class GPipeStrategy(ParallelStrategy):
             split) and a backbone that gives no sample micro-batch is split by ``"params"`` with a
             warning instead of an error. Time is the default because a parameter count says little about
             compute: on the VGG-style stack of ``benchmarks/trainer.py`` (parameters grow 16-fold from the
-            first block to the last, compute does not) the ``"params"`` split ran at 0.58 of the ideal
-            speed-up and the ``"time"`` split at 0.71. The split never changes what is learned.
+            first block to the last, compute does not) the ``"params"`` split ran at 0.56 of the ideal
+            speed-up and the ``"time"`` split at 0.64. The split never changes what is learned.
         chunks: micro-batches per batch (``M``); a batch of fewer samples (a short last batch, a
             validation batch of 1) gets one micro-batch per sample. Results do not depend on the number
             of stages; with random layers (dropout) they do depend on ``chunks``, which keys the random
