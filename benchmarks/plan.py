@@ -111,10 +111,7 @@ def tensor_peak(step: Any, pipe: GPipe, optimizer: torch.optim.Optimizer) -> int
     """The most bytes of tensors this process held during one more ``step`` (see ``LiveBytes``): what the planner
     predicts, and what CUDA's ``max_memory_allocated`` reports on a GPU. Parameters, buffers, gradients and the
     optimizer's state count from the start; the batch and a link's reused frames from their first use."""
-    parameters = list(pipe.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    # The gradients only in the argument: a name bound to them would keep them past the step's zero_grad.
-    with LiveBytes([*parameters, *pipe.buffers(), *(p.grad for p in parameters if p.grad is not None), *state]) as live:
+    with LiveBytes.training(pipe.parameters(), optimizer, pipe.buffers()) as live:
         live.mark("start")
         step()
     return live.peak("start")

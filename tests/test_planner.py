@@ -14,6 +14,7 @@ from lightning_gpipe.balancing.plan import (
     LiveBytes,
     StageCost,
     StepCosts,
+    UpdateCosts,
     checkpoint_modes,
     measure_updates,
     plan,
@@ -263,25 +264,25 @@ def test_each_layers_optimizer_step_is_timed_on_copies_and_ends_its_stages_step(
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # copies: the model is untouched
     assert all(p.grad is None for p in model.parameters())
     costs = profile(2, [1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [8, 8, 8], [8, 8, 8])
-    timed = CostModel([costs], update=[0.5, 0.0, 0.25]).step_costs([2, 1], batch_size=2, chunks=1)
+    timed = CostModel([costs], UpdateCosts([0.5, 0.0, 0.25])).step_costs([2, 1], batch_size=2, chunks=1)
     assert timed.update == [0.5, 0.25]  # summed per stage
     untimed = CostModel([costs]).step_costs([2, 1], batch_size=2, chunks=1)
     assert simulate(timed, "never").step == pytest.approx(simulate(untimed, "never").step + 0.5)  # stage 0 ends last
     with pytest.raises(ValueError, match="one time per layer"):
-        CostModel([costs], update=[0.5])
+        CostModel([costs], UpdateCosts([0.5]))
 
 
 @pytest.mark.parametrize("together", [False, True])
 def test_the_optimizer_steps_temporaries_are_a_stages_peak_when_they_exceed_its_activations(together):
     costs = profile(2, [1.0] * 3, [2.0] * 3, [8, 8, 8], [8, 8, 8])
-    model = CostModel([costs], update_working=[1000, 0, 3000], update_together=together)
+    model = CostModel([costs], UpdateCosts(working=[1000, 0, 3000], together=together))
     step = model.step_costs([3], batch_size=2, chunks=1)
     assert step.update_working == [4000 if together else 3000]  # foreach kernels hold every tensor's at once
     bare = simulate(CostModel([costs]).step_costs([3], batch_size=2, chunks=1), "always").stages[0].peak_memory
     assert simulate(step, "always").stages[0].peak_memory == 3 * 400 + 2 * 8 + step.update_working[0]
     assert bare < 3 * 400 + step.update_working[0]
     with pytest.raises(ValueError, match="one size per layer"):
-        CostModel([costs], update_working=[1])
+        CostModel([costs], UpdateCosts(working=[1]))
 
 
 class BroadcastMatmul(nn.Module):
@@ -310,9 +311,7 @@ def test_the_predicted_peak_of_a_one_stage_step_is_the_tensor_bytes_a_real_step_
         optimizer.zero_grad()
         model(x).sum().backward()
         optimizer.step()
-    params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    with LiveBytes([*params, *(p.grad for p in params), *state]) as live:
+    with LiveBytes.training(model.parameters(), optimizer) as live:
         live.mark("start")
         optimizer.zero_grad()
         model(x).sum().backward()

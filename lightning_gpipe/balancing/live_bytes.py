@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -50,6 +51,21 @@ class LiveBytes(TorchDispatchMode):
         self._marks: dict[str, int] = {}
         for t in existing:
             self._count(t)
+
+    @classmethod
+    def training(
+        cls,
+        parameters: Iterable[Tensor],
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        buffers: Iterable[Tensor] = (),
+    ) -> LiveBytes:
+        """Counting what a training step holds from before it starts: ``parameters``, their gradients (freed by a
+        ``zero_grad`` inside, and seen to be), ``buffers`` and ``optimizer``'s state."""
+        parameters = list(parameters)
+        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
+        # The gradients only in this argument, which no name outlives: a reference would hide their release.
+        grads = (p.grad for p in parameters if p.grad is not None)
+        return cls([*parameters, *buffers, *grads, *(v for v in state if isinstance(v, Tensor))])
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]

@@ -250,14 +250,9 @@ def _profile_layer(
             use_tracker(tracker),
             live if live is not None else contextlib.nullcontext(),
         ):
-            y, leaving, forward, backward, grads = _forward_backward(
+            y, leaving, forward, backward, working = _forward_backward(
                 layer, x, context, tracker, received, crossing, device, live
             )
-        working = 0
-        if live is not None:  # what the backward added beyond its start, the parameters' gradients aside
-            owned = {id(p) for p in layer.parameters()}
-            kept = [g for g, target in grads if g is not None and id(target) in owned]
-            working = max(live.peak("backward", leave_out=kept) - live.held("backward", leave_out=kept), 0)
         outputs_saved = [_storage(t)[0] in saved for t in microbatch.as_tuple(y)]
         output_storages = {_storage(t) for t in microbatch.as_tuple(y)}
         input_storages = {_storage(t) for t in microbatch.tensors(x)}
@@ -288,9 +283,9 @@ def _forward_backward(
     crossing: set[SkipKey],
     device: torch.device,
     live: Optional[LiveBytes] = None,
-) -> tuple[Any, dict[SkipKey, Tensor], float, float, list[tuple[Optional[Tensor], Tensor]]]:
-    """The layer's output and stashed skips, the seconds of its forward and of its backward, and each gradient
-    the backward computed with the tensor it is of. ``live`` gets the mark ``"backward"`` at the backward's start.
+) -> tuple[Any, dict[SkipKey, Tensor], float, float, int]:
+    """The layer's output and stashed skips, the seconds of its forward and of its backward, and, with ``live``
+    following, the most bytes the backward added beyond its start, the parameters' gradients aside (0 without).
     """
     # torch.autograd.grad, not backward(): the parameters' .grad must stay as it was.
     _synchronize(device)
@@ -302,22 +297,22 @@ def _forward_backward(
     leaving = {k: t for k, t in tracker.stashed.items() if k in crossing}
     outputs = [t for t in [*microbatch.as_tuple(y), *leaving.values()] if t.requires_grad]
     inputs = [*microbatch.tensors(x), *received.values()]
-    wrt = [t for t in inputs if t.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
-    grads: list[tuple[Optional[Tensor], Tensor]] = []
-    if outputs and wrt:
-        gradients = [torch.ones_like(t) for t in outputs]
-        if live is not None:
-            live.mark("backward")
-        middle_grads = time.perf_counter()  # the seed gradients are the pipeline's received ones: not the layer's
-        computed = torch.autograd.grad(outputs, wrt, gradients, allow_unused=True)
-        _synchronize(device)
-        backward = time.perf_counter() - middle_grads
-        grads = list(zip(computed, wrt))
-    else:
-        backward = 0.0
-        if live is not None:
-            live.mark("backward")
-    return y, leaving, middle - start, backward, grads
+    params = [p for p in layer.parameters() if p.requires_grad]
+    wrt = [t for t in inputs if t.requires_grad] + params
+    if not (outputs and wrt):
+        return y, leaving, middle - start, 0.0, 0
+    gradients = [torch.ones_like(t) for t in outputs]
+    if live is not None:
+        live.mark("backward")
+    middle_grads = time.perf_counter()  # the seed gradients are the pipeline's received ones: not the layer's
+    computed = torch.autograd.grad(outputs, wrt, gradients, allow_unused=True)
+    _synchronize(device)
+    backward = time.perf_counter() - middle_grads
+    if live is None:
+        return y, leaving, middle - start, backward, 0
+    owned = [g for g in computed[len(wrt) - len(params) :] if g is not None]  # what a step keeps in .grad anyway
+    working = live.peak("backward", leave_out=owned) - live.held("backward", leave_out=owned)
+    return y, leaving, middle - start, backward, max(working, 0)
 
 
 def _synchronize(device: torch.device) -> None:

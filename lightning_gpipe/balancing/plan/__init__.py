@@ -9,9 +9,9 @@ made for 8 GPUs on a machine with one, from a profile taken there.
 """
 
 from lightning_gpipe.balancing.live_bytes import LiveBytes
-from lightning_gpipe.balancing.plan.costs import CostModel
+from lightning_gpipe.balancing.plan.costs import CostModel, UpdateCosts
 from lightning_gpipe.balancing.plan.link import LinkModel, measure_link
-from lightning_gpipe.balancing.plan.measure import UpdateCosts, measure_updates, micro_batch_sizes, profile_for_plan
+from lightning_gpipe.balancing.plan.measure import measure_updates, micro_batch_sizes, profile_for_plan
 from lightning_gpipe.balancing.plan.replay import Prediction, StageCost, StagePrediction, StepCosts, simulate
 from lightning_gpipe.balancing.plan.search import Candidate, Plan, checkpoint_modes, chunk_grid, plan, plan_table
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from lightning_gpipe.balancing.plan.replay import StageCost, StepCosts
 from lightning_gpipe.balancing.profiling import LayerCosts
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.partition import stage_bounds
 
-__all__ = ["CostModel", "LayerRow"]
+__all__ = ["CostModel", "LayerRow", "UpdateCosts"]
 
 _FIELDS = (
     "forward",
@@ -44,6 +45,28 @@ class LayerRow:
     backward_working: float
 
 
+@dataclass(frozen=True)
+class UpdateCosts:
+    """Each layer's optimizer step (see :func:`~lightning_gpipe.balancing.plan.measure_updates`): ``times`` in
+    seconds, and the ``working`` bytes it allocates beyond the parameters, gradients and state (temporaries such
+    as Adam's denominator); either may be empty (not measured: free). ``together``: the optimizer updates all of
+    a stage's tensors in one go (torch's foreach kernels, its default on CUDA), so a stage's temporaries add up;
+    otherwise one tensor at a time (its default on the CPU), so the largest layer's count.
+    """
+
+    times: Sequence[float] = ()
+    working: Sequence[int] = ()
+    together: bool = False
+
+    def per_stage(self, bounds: Sequence[tuple[int, int]]) -> tuple[list[float], list[int]]:
+        """Each stage's seconds and working bytes, for stages of layers ``start..stop - 1``."""
+        times = [sum(self.times[a:b]) for a, b in bounds] if self.times else []
+        if not self.working:
+            return times, []
+        combine = sum if self.together else (lambda part: max(part, default=0))
+        return times, [int(combine(self.working[a:b])) for a, b in bounds]
+
+
 class CostModel:
     """Per-layer costs at any micro-batch size, from one or more :class:`LayerCosts` of different ``batch``.
 
@@ -55,13 +78,7 @@ class CostModel:
     1.6666666666666665
     """
 
-    def __init__(
-        self,
-        profiles: Sequence[LayerCosts],
-        update: Sequence[float] = (),
-        update_working: Sequence[int] = (),
-        update_together: bool = False,
-    ) -> None:
+    def __init__(self, profiles: Sequence[LayerCosts], update: Optional[UpdateCosts] = None) -> None:
         if not profiles:
             raise ValueError("The planner needs at least one profile of the backbone's layers.")
         for costs in profiles:
@@ -77,17 +94,11 @@ class CostModel:
         self.profiles = [by_size[b] for b in sorted(by_size)]
         self.state_bytes = list(self.profiles[0].state_bytes)
         self.params = list(self.profiles[0].params)
-        if update and len(update) != len(self.params):
-            raise ValueError(f"`update` needs one time per layer ({len(self.params)}), got {len(update)}.")
-        if update_working and len(update_working) != len(self.params):
-            raise ValueError(
-                f"`update_working` needs one size per layer ({len(self.params)}), got {len(update_working)}."
-            )
-        #: Seconds of each layer's optimizer step (empty: not measured, counted as free).
-        self.update = [float(u) for u in update]
-        #: Bytes each layer's optimizer step allocates, and whether a stage's add up (see ``UpdateCosts``).
-        self.update_working = [int(w) for w in update_working]
-        self.update_together = update_together
+        #: Each layer's optimizer step (empty: not measured, counted as free).
+        self.update = update if update is not None else UpdateCosts()
+        for values, what in ((self.update.times, "time"), (self.update.working, "size")):
+            if values and len(values) != len(self.params):
+                raise ValueError(f"`update` needs one {what} per layer ({len(self.params)}), got {len(values)}.")
         #: Whether the profiles measured each layer's backward working bytes (see :class:`LayerCosts`).
         self.measured_working = all(len(c.backward_working) == len(self.params) for c in self.profiles)
 
@@ -120,7 +131,6 @@ class CostModel:
         batch_size: int,
         chunks: int,
         head: float = 0.0,
-        update: Sequence[float] = (),
     ) -> StepCosts:
         """The costs of one step of ``batch_size`` samples in ``chunks`` micro-batches over the split ``balance``.
 
@@ -134,11 +144,8 @@ class CostModel:
             micro.append([self._stage(rows[size], start, stop, size) for size in sizes])
         state = [int(sum(self.state_bytes[a:b])) for a, b in bounds]
         last = self.layers(batch_size)[-1]
-        if not update and self.update:
-            update = [sum(self.update[a:b]) for a, b in bounds]
-        combine = sum if self.update_together else (lambda part: max(part, default=0))
-        working = [int(combine(self.update_working[a:b])) for a, b in bounds] if self.update_working else []
-        return StepCosts(micro, state, output=int(last.output_bytes), head=head, update=update, update_working=working)
+        times, working = self.update.per_stage(bounds)
+        return StepCosts(micro, state, output=int(last.output_bytes), head=head, update=times, update_working=working)
 
     def _stage(self, rows: list[LayerRow], start: int, stop: int, size: int) -> StageCost:
         """One micro-batch on layers ``start..stop - 1``: a stage's passes, and what it keeps (each tensor once)."""

@@ -14,7 +14,6 @@ import contextlib
 import statistics
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, ContextManager, Union
 
@@ -22,11 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.balancing.live_bytes import LiveBytes
-from lightning_gpipe.balancing.plan.costs import CostModel
+from lightning_gpipe.balancing.plan.costs import CostModel, UpdateCosts
 from lightning_gpipe.balancing.profiling import profile_layers
 from lightning_gpipe.engine import microbatch
 
-__all__ = ["UpdateCosts", "measure_updates", "micro_batch_sizes", "profile_for_plan"]
+__all__ = ["measure_updates", "micro_batch_sizes", "profile_for_plan"]
 
 
 def micro_batch_sizes(batch_size: int, chunks: Iterable[int]) -> list[int]:
@@ -57,21 +56,7 @@ def profile_for_plan(
         profiles.append(
             profile_layers(module, part, device, repeats=repeats, optimizer_states=optimizer_states, context=context)
         )
-    updates = measure_updates(module, device, optimizer_states=optimizer_states)
-    return CostModel(profiles, update=updates.times, update_working=updates.working, update_together=updates.together)
-
-
-@dataclass(frozen=True)
-class UpdateCosts:
-    """Each layer's optimizer step: ``times`` in seconds, and the ``working`` bytes it allocates beyond the
-    parameters, gradients and state (temporaries such as Adam's denominator). ``together``: the optimizer
-    updates all of a stage's tensors in one go (torch's foreach kernels, its default on CUDA), so a stage's
-    temporaries add up; otherwise one tensor at a time (its default on the CPU), so the largest layer's count.
-    """
-
-    times: list[float]
-    working: list[int]
-    together: bool
+    return CostModel(profiles, update=measure_updates(module, device, optimizer_states=optimizer_states))
 
 
 def measure_updates(
@@ -111,8 +96,7 @@ def measure_updates(
             if attempt:
                 samples.append(time.perf_counter() - start)
         times.append(statistics.median(samples))
-        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
-        with LiveBytes([*params, *(p.grad for p in params if p.grad is not None), *state]) as live:
+        with LiveBytes.training(params, optimizer) as live:
             live.mark("start")
             optimizer.step()
         working.append(max(live.peak("start") - live.held("start"), 0))
