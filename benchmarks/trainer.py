@@ -2,6 +2,7 @@
 
     python benchmarks/trainer.py                       # K=2, M=8, checkpoint="never", 5 rounds, CPU here
     python benchmarks/trainer.py --balance params time --rounds 3
+    python benchmarks/trainer.py --malloc --batch-size 256
 
 The image side must be at least 16 (four 2x2 max-pools).
 
@@ -11,8 +12,9 @@ sixteen-fold from the first block to the last while each block's compute stays a
 split by parameter count and a split by time differ a lot.
 
 Rows: ``Trainer(strategy=GPipeStrategy(chunks=M, checkpoint=..., balance=...), devices=K)`` for the
-default balance (and any ``--balance`` given), and ``Trainer(devices=1)`` in one process on one thread
-(no pipeline, no micro-batches). Each round runs every variant once, in alternating order, in fresh
+default balance (and any ``--balance`` given; with ``--malloc`` also the defaults with
+``reuse_freed_memory=False``), and ``Trainer(devices=1)`` in one process on one thread (no pipeline, no
+micro-batches). Each round runs every variant once, in alternating order, in fresh
 processes; the table gives the median over rounds and the spread (min-max). The figure of merit is the
 speed-up over one device divided by the ideal ``K*M/(M+K-1)`` of a fill-drain schedule with equal stages.
 Prints a markdown table and writes JSON.
@@ -61,18 +63,26 @@ def default_balance() -> Any:
     return inspect.signature(GPipeStrategy).parameters["balance"].default
 
 
-def pipeline_worker(rank: int, world: int, args: argparse.Namespace, balances: list[Any]) -> list[dict]:
+def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """The pipelined rows: the strategy's defaults, each ``--balance`` given, and with ``--malloc`` the
+    defaults with ``reuse_freed_memory=False`` (glibc's own malloc thresholds); (label, GPipeStrategy options)."""
+    rows = [(f"GPipeStrategy(balance={default_balance()!r})", {})]
+    rows += [(f"GPipeStrategy(balance={b!r})", {"balance": b}) for b in args.balance if b != default_balance()]
+    if args.malloc:
+        rows.append(("GPipeStrategy(reuse_freed_memory=False)", {"reuse_freed_memory": False}))
+    return rows
+
+
+def pipeline_worker(rank: int, world: int, args: argparse.Namespace, index: int) -> list[dict]:
+    """One variant in fresh processes: ``reuse_freed_memory`` sets malloc for the rest of a process."""
     from lightning_gpipe import GPipeStrategy
 
-    device = torch.device("cpu")
-    rows = []
-    for balance in balances:
-        strategy = GPipeStrategy(chunks=args.chunks, checkpoint=args.checkpoint, balance=balance)
-        seconds = C.lightning_step_seconds(
-            conv_workload(args.image), strategy, world, args.batch_size, device, args.warmup, args.steps
-        )
-        rows.append({"variant": f"GPipeStrategy(balance={balance!r})", "balance": balance, "step_s": seconds})
-    return rows
+    label, options = variants(args)[index]
+    strategy = GPipeStrategy(chunks=args.chunks, checkpoint=args.checkpoint, **options)
+    seconds = C.lightning_step_seconds(
+        conv_workload(args.image), strategy, world, args.batch_size, torch.device("cpu"), args.warmup, args.steps
+    )
+    return [{"variant": label, "options": options, "step_s": seconds}]
 
 
 def single_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -88,6 +98,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8, help="M: micro-batches")
     parser.add_argument("--checkpoint", default="never")
     parser.add_argument("--balance", nargs="*", default=[], help="balances to run beside the default")
+    parser.add_argument(
+        "--malloc", action="store_true", help="also run the defaults with reuse_freed_memory=False (glibc's own malloc)"
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--image", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=3)
@@ -96,11 +109,13 @@ def main() -> None:
     parser.add_argument("--out", default=C.default_out("trainer"))
     args = parser.parse_args()
 
-    balances = [default_balance()] + [b for b in args.balance if b != default_balance()]
     times: dict[str, list[float]] = {}
     for round_ in range(args.rounds):
         runs = [
-            lambda: C.launch(pipeline_worker, args.stages, args, balances)[0],
+            *(
+                (lambda index=index: C.launch(pipeline_worker, args.stages, args, index)[0])
+                for index in range(len(variants(args)))
+            ),
             lambda: C.launch(single_worker, 1, args, threads=1)[0],
         ]
         for run in runs if round_ % 2 == 0 else runs[::-1]:
@@ -117,7 +132,8 @@ def main() -> None:
         rows.append(
             {
                 "variant": variant,
-                "default": variant == f"GPipeStrategy(balance={default_balance()!r})",
+                "options": dict(variants(args))[variant],
+                "default": variant == variants(args)[0][0],
                 "step_ms": [1e3 * s for s in seconds],
                 "speedup": speedups,
                 "of_ideal_median": statistics.median(speedups) / ideal,

@@ -65,6 +65,7 @@ from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, per_micro_batch_
 from lightning_gpipe.engine.checkpoint import check_checkpoint_mode
 from lightning_gpipe.engine.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
 from lightning_gpipe.engine.gradients import clip_grad_norm_
+from lightning_gpipe.engine.host_malloc import keep_freed_memory
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
 from lightning_gpipe.engine.partition import balance as optimal_balance
 from lightning_gpipe.engine.partition import (
@@ -153,6 +154,13 @@ class GPipeStrategy(ParallelStrategy):
         split_backward: compute each micro-batch's input gradient first in the drain and send it, then the
             weight gradients (see :class:`~lightning_gpipe.GPipe`); the same results. Off by default: on
             the CPU its graph walk and extra autograd calls cost more than the earlier input gradient saves.
+        reuse_freed_memory: on the CPU, set each stage process's glibc malloc to keep the memory a step frees
+            for the next step instead of returning it to the system and faulting it in again
+            (:mod:`lightning_gpipe.engine.host_malloc`): measured 10-14% off a K=2 step on a 2-core machine.
+            The resident set then stays near its peak between steps, for the rest of the process. Nothing
+            is changed where the environment already tunes malloc (``MALLOC_MMAP_THRESHOLD_`` and the like),
+            on a C library other than glibc, or on a GPU; what was done is logged on rank 0 and kept in
+            ``host_malloc``.
     """
 
     strategy_name = "gpipe"
@@ -173,6 +181,7 @@ class GPipeStrategy(ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         deferred_batch_norm: bool = False,
         split_backward: bool = False,
+        reuse_freed_memory: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -212,6 +221,11 @@ class GPipeStrategy(ParallelStrategy):
         if not isinstance(split_backward, bool):
             raise TypeError(f"`split_backward` must be True or False, got {split_backward!r}.")
         self.split_backward = split_backward
+        if not isinstance(reuse_freed_memory, bool):
+            raise TypeError(f"`reuse_freed_memory` must be True or False, got {reuse_freed_memory!r}.")
+        self.reuse_freed_memory = reuse_freed_memory
+        #: What ``reuse_freed_memory`` did in this process: ``"reused"``, or why malloc was left alone.
+        self.host_malloc: Optional[str] = None
         #: ``balance=None``: by measured time, by parameter count where nothing can be measured (``_choose_balance``)
         self._default_balance = balance is None
         self.balance: Union[Sequence[int], str] = "time" if balance is None else balance
@@ -308,12 +322,31 @@ class GPipeStrategy(ParallelStrategy):
             backend = self._process_group_backend or distributed.default_backend(self.root_device)
             init_process_group(self.cluster_environment, backend, self.root_device, self._process_group_timeout)
             destroy_process_groups_at_exit()
+        self._set_host_malloc()
         if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
             self._mesh = make_mesh(self.layout, self.root_device)
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
         self._failed = self._stage_optimizers = False
         if self.world_size > 1:
             self._board.start(self.watchdog_grace, self.failure_timeout)
+
+    def _set_host_malloc(self) -> None:
+        """``reuse_freed_memory`` in this process, once; logged on rank 0."""
+        if self.host_malloc is not None:
+            return
+        if not self.reuse_freed_memory:
+            self.host_malloc = "left alone: reuse_freed_memory=False"
+        elif self.root_device.type != "cpu":
+            self.host_malloc = f"left alone: the stages run on {self.root_device.type}"
+        else:
+            why_not = keep_freed_memory()
+            self.host_malloc = "reused" if why_not is None else f"left alone: {why_not}"
+            rank_zero_info(
+                "GPipe on the CPU: each stage keeps the host memory a step frees for the next step (glibc malloc "
+                "thresholds; GPipeStrategy(reuse_freed_memory=False) leaves malloc alone)."
+                if why_not is None
+                else f"GPipe on the CPU: malloc left as it is ({why_not})."
+            )
 
     def _describe(self, rank: int) -> str:
         layout = self.layout

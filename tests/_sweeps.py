@@ -104,7 +104,11 @@ def predict_after_fit(devices: int) -> dict[str, Any]:
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=devices, **M.trainer_kwargs())
     trainer.fit(model, M.loader())
     predictions = trainer.predict(model, M.loader(shuffle=False))
-    return {"predictions": torch.cat(predictions), "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "predictions": torch.cat(predictions),
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+        "host_malloc": trainer.strategy.host_malloc,
+    }
 
 
 def checkpoint_during_fit(devices: int) -> dict[str, Any]:

@@ -65,16 +65,17 @@ def test_peers_measure_every_alternative_on_the_same_model(tmp_path):
     assert "torch.distributed.pipelining Schedule1F1B" in output
 
 
-def test_trainer_sets_the_default_balance_and_others_against_one_device_beside_the_ideal(tmp_path):
+def test_trainer_sets_the_defaults_and_glibcs_own_malloc_against_one_device_beside_the_ideal(tmp_path):
     output, result = _run(
         tmp_path,
         "trainer",
-        *"--image 16 --batch-size 8 --chunks 2 --warmup 0 --steps 1 --rounds 2 --balance time".split(),
+        *"--image 16 --batch-size 8 --chunks 2 --warmup 0 --steps 1 --rounds 2 --balance params --malloc".split(),
     )
     rows = {r["variant"]: r for r in result["rows"]}
     assert result["ideal"] == pytest.approx(2 * 2 / 3)
-    assert len(rows) == 2 and sum(r["default"] for r in rows.values()) == 1
-    assert "GPipeStrategy(balance='time')" in rows
+    assert len(rows) == 3 and sum(r["default"] for r in rows.values()) == 1
+    assert rows["GPipeStrategy(balance='params')"]["options"] == {"balance": "params"}
+    assert rows["GPipeStrategy(reuse_freed_memory=False)"]["options"] == {"reuse_freed_memory": False}
     for row in rows.values():  # one speed-up per round, each against that round's one-device step
         assert len(row["speedup"]) == 2 == len(row["step_ms"]) == len(result["single_ms"])
         assert row["of_ideal_min"] <= row["of_ideal_median"] <= row["of_ideal_max"]
