@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import _sweeps
 import pytest
 
@@ -21,3 +24,26 @@ def test_an_exception_in_one_stage_ends_every_rank_within_seconds(stages, failin
             assert (
                 f"stage {failing} (rank {failing}) failed: RuntimeError: boom on rank {failing}" in outcome.errors[rank]
             )
+
+
+_UNSTOPPED_BOARD = """
+import atexit, threading, torch.distributed as dist
+from lightning_gpipe.engine.failure import FailureBoard
+
+def report():  # registered first, so it runs after the board's own exit handler
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("lightning-gpipe")]
+    print("alive at exit:", alive, flush=True)
+
+atexit.register(report)
+board = FailureBoard(dist.HashStore(), 0, 2, lambda r: f"stage {r}")
+board.start(grace=10.0, failure_timeout=30.0, poll=0.01)
+print("running:", sorted(t.name for t in threading.enumerate() if t.name.startswith("lightning-gpipe")), flush=True)
+# never stopped, as after a failure in setup: the interpreter's exit must end its threads
+"""
+
+
+def test_a_board_never_stopped_ends_its_threads_before_the_interpreter_tears_down():
+    done = subprocess.run([sys.executable, "-c", _UNSTOPPED_BOARD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "running: ['lightning-gpipe-poller', 'lightning-gpipe-watchdog']" in done.stdout
+    assert "alive at exit: []" in done.stdout, done.stdout

@@ -26,6 +26,7 @@ _FREED = textwrap.dedent("""
 
     if sys.argv[1] == "keep":
         print("outcome", keep_freed_memory())
+    torch.ones(1024).sum()  # torch's first op allocates for good: before the reading, not in it
     before = resident()
     block = torch.ones(4 * 2**20)  # 16 MiB, every page touched: an activation of one step
     held = resident() - before
@@ -50,14 +51,14 @@ def test_a_freed_block_stays_in_the_process_for_reuse_and_leaves_it_under_glibcs
     assert "outcome None" in out  # applied
     assert held > 15 * 2**20 and kept > 15 * 2**20, out  # freed, yet still resident: the next step reuses it
     held, kept, out = _held_and_kept("default")
-    assert held > 15 * 2**20 and kept < 2**20, out  # glibc's own thresholds give a 16 MiB block back at once
+    assert held > 15 * 2**20 and kept < 4 * 2**20, out  # glibc's own thresholds give a 16 MiB block back at once
 
 
 @glibc
 def test_malloc_settings_in_the_environment_are_the_users_and_stay():
     held, kept, out = _held_and_kept("keep", MALLOC_TOP_PAD_="0")
     assert "the environment sets MALLOC_TOP_PAD_" in out
-    assert held > 15 * 2**20 and kept < 2**20, out  # nothing changed: the block went back
+    assert held > 15 * 2**20 and kept < 4 * 2**20, out  # nothing changed: the block went back
 
 
 def test_the_environment_check_comes_before_any_change(monkeypatch):
