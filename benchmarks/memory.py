@@ -44,6 +44,8 @@ import _common as C
 import torch
 import torch.distributed as dist
 
+from lightning_gpipe.engine.host_malloc import set_thresholds
+
 MIB = 2**20
 
 
@@ -65,7 +67,6 @@ def _release() -> None:
         pass
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _MEMORY_MMAP = 256 * 1024
 
 
@@ -78,13 +79,8 @@ def malloc_for(purpose: str) -> None:
     time is measured as a long-running process settles by itself (glibc raises its threshold to the
     largest block freed, up to 32 MiB): large blocks reused from the heap.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
     mmap, trim = (_MEMORY_MMAP, _MEMORY_MMAP // 2) if purpose == "memory" else (32 * MIB, 64 * MIB)
-    libc.mallopt(_M_MMAP_THRESHOLD, mmap)
-    libc.mallopt(_M_TRIM_THRESHOLD, trim)
+    set_thresholds(mmap, trim)  # does nothing off glibc, as before
 
 
 def time_then_peak(

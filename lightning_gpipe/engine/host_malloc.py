@@ -27,7 +27,7 @@ import os
 import platform
 from typing import Optional
 
-__all__ = ["MALLOC_ENV", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory"]
+__all__ = ["MALLOC_ENV", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory", "set_thresholds"]
 
 #: glibc's largest mmap threshold on 64-bit systems (``HEAP_MAX_SIZE / 2``); ``mallopt`` refuses more.
 MMAP_THRESHOLD = 32 * 2**20
@@ -37,6 +37,20 @@ TRIM_THRESHOLD = 2**31 - 1
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+
+
+def set_thresholds(mmap: int, trim: int) -> Optional[str]:
+    """Set glibc's mmap and trim thresholds (bytes) for this process; ``None`` when done, else why not."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return f"the C library is not glibc ({platform.system()} {platform.libc_ver()[0] or 'unknown'})"
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError) as error:
+        return f"glibc's mallopt is not reachable ({error})"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not (mallopt(_M_MMAP_THRESHOLD, mmap) and mallopt(_M_TRIM_THRESHOLD, trim)):
+        return "glibc's mallopt refused the thresholds"
+    return None
 
 
 def keep_freed_memory() -> Optional[str]:
@@ -49,13 +63,4 @@ def keep_freed_memory() -> Optional[str]:
     tuned = [name for name in MALLOC_ENV if name in os.environ]
     if tuned:
         return f"the environment sets {', '.join(tuned)}"
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return f"the C library is not glibc ({platform.system()} {platform.libc_ver()[0] or 'unknown'})"
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError) as error:
-        return f"glibc's mallopt is not reachable ({error})"
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        return "glibc's mallopt refused the thresholds"
-    return None
+    return set_thresholds(MMAP_THRESHOLD, TRIM_THRESHOLD)
