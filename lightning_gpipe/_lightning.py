@@ -47,9 +47,18 @@ __all__ = [
     "silence_not_resumable_warning",
     "tell_swa_about_batch_norm",
     "use_pipeline_summaries",
+    "validation_interval_seconds",
     "walk_stages_in_finetuning",
     "with_finetuning_group_names",
 ]
+
+
+def validation_interval_seconds(trainer: "pl.Trainer") -> Optional[float]:
+    """``val_check_interval`` in seconds when it was given as a time ("00:00:10:00", a timedelta, a dict), else None.
+
+    Lightning keeps the parsed time only in a private attribute; ``trainer.val_check_interval`` is then unset.
+    """
+    return getattr(trainer, "_val_check_time_interval", None)
 
 
 def current_hook(module: "pl.LightningModule") -> str:

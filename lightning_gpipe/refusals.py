@@ -19,7 +19,14 @@ from lightning_gpipe.engine.partition import parameter_costs, stage_bounds
 from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.topology import PipeLayout
 
-__all__ = ["callbacks", "empty_everywhere", "fp16_scaler", "unsupported_finetuning", "whole_gradient_optimizers"]
+__all__ = [
+    "callbacks",
+    "empty_everywhere",
+    "fp16_scaler",
+    "timed_validation",
+    "unsupported_finetuning",
+    "whole_gradient_optimizers",
+]
 
 
 def fp16_scaler(plugin: Precision) -> None:
@@ -32,6 +39,19 @@ def fp16_scaler(plugin: Precision) -> None:
             f"precision={plugin.precision!r} is not supported by the gpipe strategy: it scales the loss with a "
             "GradScaler on each stage, and the stages would disagree on skipped steps and on the scale. Use "
             "precision='bf16-mixed' (no loss scaling needed), or '32-true'."
+        )
+
+
+def timed_validation(seconds: Optional[float]) -> None:
+    """Validation every so many seconds of each rank's own clock."""
+    # Lightning decides on each rank, from that rank's clock, after which batch to validate: the stages
+    # would validate after different batches, and a validation pass runs on every stage at once.
+    if seconds is not None:
+        raise ValueError(
+            f"val_check_interval given as a time ({seconds:g}s) is not supported by the gpipe strategy: Lightning "
+            "decides on each rank by that rank's own clock after which batch to validate, and the stages of a "
+            "pipeline must validate after the same batch. Give val_check_interval as a number of training batches "
+            "(an int) or a fraction of the epoch (a float) instead."
         )
 
 

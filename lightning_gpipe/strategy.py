@@ -41,6 +41,7 @@ from lightning_gpipe._lightning import (
     silence_sync_dist_advice,
     tell_swa_about_batch_norm,
     use_pipeline_summaries,
+    validation_interval_seconds,
     walk_stages_in_finetuning,
     with_finetuning_group_names,
 )
@@ -74,12 +75,13 @@ from lightning_gpipe.engine.partition import (
     split_table,
     validate_balance,
 )
-from lightning_gpipe.engine.pipe import GPipe
+from lightning_gpipe.engine.pipe import DEADLOCK_MARGIN, GPipe
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
+from lightning_gpipe.stop_together import StopTogether
 
 __all__ = ["GPipeStrategy"]
 
@@ -144,7 +146,9 @@ class GPipeStrategy(ParallelStrategy):
         failure_timeout: seconds without a heartbeat after which a rank counts as dead (a killed rank
             is usually noticed at once, through its closed connections; this is the fallback); also how
             long a message from the previous stage may wait untaken while this rank has no backbone call
-            under way before the stages count as out of step (a call made on one rank only).
+            under way before the stages count as out of step (a call made on one rank only); and, 5 s more,
+            how long ranks may wait for each other before the run ends as a deadlock (see "Failures" in
+            the README).
         state_dict_type: ``"full"`` (default): one checkpoint file gathered on the first stage,
             loadable on one device without this package; ``"sharded"``: a directory written by every
             stage with ``torch.distributed.checkpoint``, for models too big to gather on one host.
@@ -328,6 +332,7 @@ class GPipeStrategy(ParallelStrategy):
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
         self._failed = self._stage_optimizers = False
         if self.world_size > 1:
+            self._board.watch_deadlocks(after=self.failure_timeout + DEADLOCK_MARGIN)
             self._board.start(self.watchdog_grace, self.failure_timeout)
 
     def _set_host_malloc(self) -> None:
@@ -558,6 +563,7 @@ class GPipeStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         refusals.fp16_scaler(self.precision_plugin)
+        refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
         refusals.callbacks(trainer.callbacks, [name for name, _ in averaged_copies(trainer)], self.state_dict_type)  # type: ignore[attr-defined]
         self.accelerator.setup(trainer)
         plugin: Any = copy_as(self.precision_plugin, _GlobalNormClipping)  # the user's plugin class, subclassed
@@ -584,6 +590,20 @@ class GPipeStrategy(ParallelStrategy):
             refusals.empty_everywhere([_unwrap(o) for o in self.optimizers], self._layouts, self._emptied)
         use_pipeline_summaries(trainer)
         walk_stages_in_finetuning()
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+            callbacks[:] = [c for c in callbacks if not isinstance(c, StopTogether)] + [StopTogether(self._any_stops)]
+
+    def _any_stops(self, should_stop: bool) -> bool:
+        """Whether any rank was asked to stop (see :mod:`lightning_gpipe.stop_together`)."""
+        return self.reduce_boolean_decision(should_stop, all=False)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:  # after every callback's and the module's on_train_start
+            trainer.should_stop = self._any_stops(trainer.should_stop)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -715,7 +735,7 @@ class GPipeStrategy(ParallelStrategy):
         if whole_pipeline and self.pipe is not None:
             return self.pipe.watch(doing)
         board = self._board
-        return board.raise_if_failed if board is not None else (lambda: None)
+        return distributed.Watching(board.raise_if_failed if board is not None else (lambda: None), doing)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
@@ -823,6 +843,9 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # after the callbacks' and module's hooks
+            trainer.should_stop = self._any_stops(trainer.should_stop)
         if self._tally is not None:
             self._tally.paused = False
 
@@ -1111,6 +1134,9 @@ class GPipeStrategy(ParallelStrategy):
             self.pipe.close()
         self._copies = []
         self.pipe = None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:  # the trainer's callbacks as the user left them
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
             self._board.stop()
         super().teardown()

@@ -107,3 +107,96 @@ def fp16_fit(rank: int, world_size: int) -> None:
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     _fit(M.Net(), world_size, plugins=[plugin])
+
+
+class StopOnRankZero(Callback):
+    """Sets ``trainer.should_stop`` from rank zero only, in ``hook``, at epoch ``epoch`` (batch ``batch``)."""
+
+    def __init__(self, hook: str, epoch: int, batch: int = 2) -> None:
+        self.epoch, self.batch = epoch, batch
+        setattr(self, hook, self._stop)
+
+    @rank_zero_only
+    def _stop(self, trainer, pl_module, *args) -> None:
+        batch_idx = args[-1] if args and isinstance(args[-1], int) else self.batch
+        if trainer.current_epoch == self.epoch and batch_idx == self.batch and not trainer.sanity_checking:
+            trainer.should_stop = True
+
+
+#: Each hook of a rank-zero-only stop, and the epoch it stops in (5 batches an epoch, batch 2 for the first).
+STOP_HOOKS = {"on_train_batch_end": 1, "on_validation_end": 1, "on_train_epoch_end": 0}
+
+
+def stopped_fits(rank: int, world_size: int) -> dict:
+    """One fit per hook of a rank-zero-only stop: steps, epochs and the whole trained backbone after each.
+
+    One device with ``devices=1`` and no strategy when ``world_size`` is 1, else the pipeline, which then
+    also tries validation every 5 seconds (``"timed validation"``: the error, if refused).
+    """
+    from lightning_gpipe import GPipeStrategy
+
+    records = []
+    for hook, epoch in STOP_HOOKS.items():
+        L.seed_everything(0, verbose=False)
+        model = M.Net()
+        strategy = GPipeStrategy(chunks=2) if world_size > 1 else "auto"
+        trainer = L.Trainer(
+            strategy=strategy,
+            devices=world_size,
+            **M.trainer_kwargs(
+                callbacks=[StopOnRankZero(hook, epoch)], max_steps=-1, max_epochs=3, limit_val_batches=2
+            ),
+        )
+        trainer.fit(model, M.loader(shuffle=False), M.loader(shuffle=False))
+        records.append(
+            {
+                "hook": hook,
+                "global_step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+                "weights": {k: v.detach().clone() for k, v in model.backbone.state_dict().items()},
+            }
+        )
+    refused = None
+    if world_size > 1:
+        trainer = L.Trainer(
+            strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs(val_check_interval="00:00:00:05")
+        )
+        try:
+            trainer.fit(M.Net(), M.loader(shuffle=False), M.loader(shuffle=False))
+        except ValueError as error:
+            refused = str(error)
+    return {"stops": records, "timed validation": refused}
+
+
+class SaveOnRankZero(Callback):
+    """Saves a checkpoint from rank zero only, at the end of the first epoch: every rank must call it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @rank_zero_only
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+class StopInTheModuleOnRankZero(M.Net):
+    """Sets ``trainer.should_stop`` on rank zero only, from the LightningModule's own hook."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if batch_idx == 2 and self.global_rank == 0:
+            self.trainer.should_stop = True
+
+
+def deadlocked(rank: int, world_size: int, cause: str, path: str) -> None:
+    """Rank 0 heads into a call that rank 1 never makes, while rank 1 waits elsewhere; found after 3 s."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = StopInTheModuleOnRankZero() if cause == "module stop" else M.Net()
+    callbacks = [SaveOnRankZero(path)] if cause == "rank-zero save" else []
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2, failure_timeout=3.0),
+        devices=world_size,
+        **M.trainer_kwargs(callbacks=callbacks, max_steps=-1, max_epochs=2),
+    )
+    trainer.fit(model, M.loader(shuffle=False))

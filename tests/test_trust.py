@@ -118,3 +118,59 @@ def test_a_second_backward_through_the_pipeline_says_what_to_do_instead():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match=r"second backward ran through the pipeline.*add the losses up"):
         loss.backward()
+
+
+def test_a_callback_that_stops_on_rank_zero_only_stops_every_rank_where_one_device_stops():
+    # Lightning reads trainer.should_stop on each rank for itself: before the strategy agreed on it, rank 0
+    # left the fit alone and rank 1 waited for it until the process group's timeout
+    outcome = run_processes(W.stopped_fits, 2, timeout=180)
+    one_device = W.stopped_fits(0, 1)["stops"]
+    assert [r["global_step"] for r in one_device] == [8, 10, 5]  # each stop took effect where it was set
+    for result in outcome.results:
+        records = result["stops"]
+        assert [(r["hook"], r["global_step"], r["epoch"]) for r in records] == [
+            (r["hook"], r["global_step"], r["epoch"]) for r in one_device
+        ]
+        for got, want in zip(records, one_device):
+            for name, value in want["weights"].items():
+                torch.testing.assert_close(got["weights"][name], value, atol=1e-6, rtol=0)
+        # and validation by each rank's clock is refused on every rank, before any batch
+        refused = result["timed validation"]
+        assert refused is not None and refused.startswith("val_check_interval given as a time (5s) is not supported")
+        assert "a number of training batches" in refused
+
+
+def test_a_stop_set_on_rank_zero_only_in_the_modules_own_hook_ends_every_rank_naming_the_deadlock(tmp_path):
+    # the LightningModule's on_train_batch_end runs after every callback: rank 0 leaves the fit, rank 1 waits
+    # in Lightning's per-batch broadcast; found once both have waited failure_timeout (3 s here)
+    outcome = run_processes(W.deadlocked, 2, "module stop", str(tmp_path / "unused.ckpt"), timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    found = [e for e in outcome.errors if e and "none can go on (a deadlock)" in e]
+    assert found, outcome.errors
+    assert "stage 0 (rank 0) has waited" in found[0] and "stage 1 (rank 1) has waited" in found[0]
+    assert "`trainer.should_stop` in the LightningModule's own hooks" in found[0]
+
+
+def test_a_rank_zero_only_save_checkpoint_ends_the_job_naming_the_deadlock_under_the_default_launcher(tmp_path):
+    # rank 0 gathers every stage's state for the file; rank 1 has gone on and waits for rank 0
+    script = tmp_path / "save_on_rank_zero.py"
+    path = tmp_path / "ckpt" / "rank-zero.ckpt"
+    script.write_text(
+        textwrap.dedent(f"""
+        import _trust_workers as W
+        if __name__ == "__main__":
+            W.deadlocked(0, 2, "rank-zero save", {str(path)!r})
+    """)
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    seconds = time.monotonic() - start
+    assert result.returncode != 0
+    assert seconds < BOUND
+    assert "none can go on (a deadlock): " in result.stderr, result.stderr[-3000:]
+    assert "a gather of every stage's state" in result.stderr and "`trainer.save_checkpoint`" in result.stderr
+    assert not path.exists()

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import pickle
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_gpipe.engine.deadlock import blocked, collective_wait
 
 __all__ = [
     "is_distributed",
@@ -33,10 +36,21 @@ __all__ = [
     "new_group",
     "reduce_op",
     "Watch",
+    "Watching",
 ]
 
 #: Called while a collective is pending; raises to abandon it.
 Watch = Callable[[], None]
+
+
+class Watching:
+    """A :data:`Watch` that names what its collective is for, so that a deadlock's error can say it."""
+
+    def __init__(self, check: Callable[[], None], doing: str) -> None:
+        self.check, self.doing = check, doing
+
+    def __call__(self) -> None:
+        self.check()
 
 
 def is_distributed() -> bool:
@@ -64,18 +78,26 @@ def new_group(ranks: list[int], backend: str, timeout: Optional[timedelta] = Non
     return group if isinstance(group, dist.ProcessGroup) else None
 
 
-def wait(work: Optional[dist.Work], watch: Optional[Watch]) -> None:
-    """Wait for ``work``, calling ``watch`` between polls (from every 0.1 ms up to every 10 ms)."""
+def wait(
+    work: Optional[dist.Work], watch: Optional[Watch], operation: str = "", group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Wait for ``work``, calling ``watch`` between polls (from every 0.1 ms up to every 10 ms).
+
+    ``operation`` over ``group`` names the collective for :mod:`~lightning_gpipe.engine.deadlock`, which is told
+    that this thread waits for it.
+    """
     if work is None:
         return
     if watch is None:
         work.wait()
         return
-    pause = 1e-4
-    while not work.is_completed():
-        watch()
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-2)
+    doing = getattr(watch, "doing", "a collective")
+    with blocked(*collective_wait(operation, group, doing)) if operation else nullcontext():
+        pause = 1e-4
+        while not work.is_completed():
+            watch()
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-2)
     try:
         work.wait()  # raises the transport's error, if any
     except RuntimeError:
@@ -99,7 +121,7 @@ def _size(group: Optional[dist.ProcessGroup]) -> int:
 
 def barrier(group: Optional[dist.ProcessGroup] = None, watch: Optional[Watch] = None) -> None:
     """Every rank of ``group`` reaches this point."""
-    wait(dist.barrier(group=group, async_op=True), watch)
+    wait(dist.barrier(group=group, async_op=True), watch, "barrier", group)
 
 
 def all_reduce(
@@ -109,7 +131,7 @@ def all_reduce(
     watch: Optional[Watch] = None,
 ) -> Tensor:
     """``tensor`` reduced over ``group``, in place."""
-    wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), watch)
+    wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), watch, "all_reduce", group)
     return tensor
 
 
@@ -136,7 +158,7 @@ def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, watch:
     if not is_distributed():
         return tensor.unsqueeze(0)
     parts = [torch.empty_like(tensor) for _ in range(_size(group))]
-    wait(dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True), watch)
+    wait(dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True), watch, "all_gather", group)
     return torch.stack(parts)
 
 
@@ -160,10 +182,10 @@ def broadcast_object(
     mine = dist.get_rank() == src
     data = _as_bytes(obj, device) if mine else None
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
-    wait(dist.broadcast(size, src, group=group, async_op=True), watch)
+    wait(dist.broadcast(size, src, group=group, async_op=True), watch, "broadcast", group)
     if data is None:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    wait(dist.broadcast(data, src, group=group, async_op=True), watch)
+    wait(dist.broadcast(data, src, group=group, async_op=True), watch, "broadcast", group)
     return obj if mine else _from_bytes(data)
 
 
@@ -185,17 +207,19 @@ def gather_objects(
             sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group, async_op=True
         ),
         watch,
+        "all_gather",
+        group,
     )
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     if dst is None:
         parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-        wait(dist.all_gather(parts, padded, group=group, async_op=True), watch)
+        wait(dist.all_gather(parts, padded, group=group, async_op=True), watch, "all_gather", group)
     else:
         mine = dist.get_rank() == dst
         parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if mine else []
-        wait(dist.gather(padded, parts if mine else None, dst=dst, group=group, async_op=True), watch)
+        wait(dist.gather(padded, parts if mine else None, dst=dst, group=group, async_op=True), watch, "gather", group)
         if not mine:
             return None
     return [_from_bytes(p[: int(s.item())]) for p, s in zip(parts, sizes)]

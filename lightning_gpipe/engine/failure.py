@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from lightning_gpipe.engine.deadlock import DeadlockWatch
 from lightning_gpipe.engine.distributed import is_distributed
 
 __all__ = ["PipelineError", "FailureBoard", "destroy_process_groups_at_exit", "exit_without_finalizers"]
@@ -110,6 +111,7 @@ class FailureBoard:
         self._first = False  # whether this rank's failure was the one the store kept
         self._message: Optional[str] = None  # another rank's failure, as the poller last saw it
         self._checks: list[Callable[[], Optional[str]]] = []
+        self._deadlocks: Optional[DeadlockWatch] = None
         #: A failure of this rank that a background check found while its main thread was blocked elsewhere.
         self.found: Optional[PipelineError] = None
         self._last_answer = time.monotonic()
@@ -146,12 +148,21 @@ class FailureBoard:
         """
         self._checks.append(check)
 
+    def watch_deadlocks(self, after: float) -> None:
+        """Find ranks that have waited ``after`` s for each other (see :mod:`~lightning_gpipe.engine.deadlock`).
+
+        Call it on the training thread: that is the thread whose waits count.
+        """
+        self._deadlocks = DeadlockWatch(self.rank, self.world_size, self.describe, after)
+
     def failure(self) -> Optional[str]:
         """Another rank's failure, if one is known."""
         return self._message
 
     def raise_if_failed(self) -> None:
-        """Raise :class:`PipelineError` if another rank failed."""
+        """Raise :class:`PipelineError` if another rank failed, or a background check found this rank's failure."""
+        if self.found is not None:
+            raise self.found
         if self._message is not None and not self._published:
             raise PipelineError(self._message)
 
@@ -254,6 +265,7 @@ class FailureBoard:
             try:
                 store.add(f"beat/{self.rank}", 1)
                 self._check_heartbeats(last_seen, failure_timeout)
+                self._check_deadlock(store)
                 if store.check([_KEY]):
                     self._message = store.get(_KEY).decode()
                     if not acknowledged and not self._published:
@@ -277,6 +289,14 @@ class FailureBoard:
                 self.found = PipelineError(message)
                 self.publish(self.found)
                 return
+
+    def _check_deadlock(self, store: dist.Store) -> None:
+        if self._deadlocks is None or self._published or self._message is not None:
+            return
+        message = self._deadlocks.poll(store)
+        if message is not None:
+            self.found = PipelineError(message)
+            self.publish(self.found)
 
     def _check_heartbeats(self, last_seen: dict, failure_timeout: float) -> None:
         store = self._store
@@ -304,13 +324,15 @@ class FailureBoard:
                     f"{self.describe(0)} (rank 0) stopped responding: the job's store, which rank 0 "
                     f"hosts, has not answered for {silent:.0f}s"
                 )
-            if self._message is None or self._published:
+            # another rank's failure, or one a check of this rank found while its training thread was blocked
+            if (self._message is None or self._published) and self.found is None:
                 continue
             if self._stop.wait(grace) or self._published:
                 return
+            whose = "this rank" if self.found is not None else "another rank"
             sys.stderr.write(
-                f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after another "
-                f"rank failed and this one stayed blocked.\n{self._message}\n"
+                f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after {whose} "
+                f"failed and this one stayed blocked.\n{self.found or self._message}\n"
             )
             main = threading.main_thread().ident
             traceback.print_stack(sys._current_frames().get(main) if main is not None else None, file=sys.stderr)

@@ -34,6 +34,11 @@ __all__ = ["STRAY_GRACE", "GPipe", "live_pipes"]
 #: lets a message that was already on its way be counted.
 STRAY_GRACE = 5.0
 
+#: Seconds beyond ``failure_timeout`` that ranks must have waited for each other before the board calls it a
+#: deadlock (:mod:`~lightning_gpipe.engine.deadlock`): the out-of-step checks, which take ``failure_timeout`` and
+#: can say more (the call a stage never made), speak first.
+DEADLOCK_MARGIN = 5.0
+
 #: The pipelines of this process that are built and not closed; weakly held, so one that is dropped
 #: without :meth:`GPipe.close` leaves too. Functions given only parameters look their pipeline up here.
 _live: weakref.WeakSet[GPipe] = weakref.WeakSet()
@@ -135,6 +140,7 @@ class GPipe(nn.Module):
         self.board = board or FailureBoard.for_default_group(self.describe, namespace="lightning_gpipe")
         if self._own_board:
             self.board.add_check(lambda: self.idle_stray(30.0))
+            self.board.watch_deadlocks(after=30.0 + DEADLOCK_MARGIN)
             self.board.start(grace=10.0, failure_timeout=30.0)
         self.ranks = layout.pipeline_of(rank)
         self.group: Optional[dist.ProcessGroup] = None  # this pipeline's ranks ("pp"), for collectives across stages
@@ -219,7 +225,7 @@ class GPipe(nn.Module):
                 situation = f"stage {self.stage} is in {doing}, which every rank of the pipeline must join"
                 raise PipelineError(stray_message_error(stray[1], stray[0], self.stage, situation))
 
-        return check
+        return distributed.Watching(check, doing)
 
     def idle_stray(self, older_than: float) -> Optional[str]:
         """Why the stages are out of step, if a peer's message waited ``older_than`` s with no call under way.

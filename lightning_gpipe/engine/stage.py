@@ -21,6 +21,7 @@ from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.batchnorm import micro_batches
 from lightning_gpipe.engine.channels import Channels
 from lightning_gpipe.engine.checkpoint import ForwardWrites, check_checkpoint_mode, checkpointed, recomputing
+from lightning_gpipe.engine.deadlock import blocked
 from lightning_gpipe.engine.lockstep import check_message
 from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
@@ -174,9 +175,10 @@ class StageRunner:
     def _recv(self, src: int, expected: Tag) -> Message:
         """The next message from rank ``src``, which must be ``expected`` (see :mod:`.lockstep`)."""
         assert self.channels is not None
-        with self._span("wait", expected.micro):
+        name = self.channels.inboxes[src].name
+        with self._span("wait", expected.micro), blocked(lambda: f"{expected.describe()} from {name}", (src,)):
             message = self.channels.recv(src)
-        return check_message(message, expected, self.channels.inboxes[src].name, self.stage)
+        return check_message(message, expected, name, self.stage)
 
     def _recv_stage(self, expected: Tag, stage: int) -> Message:
         return self._recv(self.ranks[stage], expected)
