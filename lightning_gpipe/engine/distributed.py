@@ -93,11 +93,14 @@ def wait(
         return
     doing = getattr(watch, "doing", "a collective")
     with blocked(*collective_wait(operation, group, doing)) if operation else nullcontext():
-        pause = 1e-4
+        pause, start = 1e-4, time.monotonic()
         while not work.is_completed():
             watch()
             time.sleep(pause)
-            pause = min(2 * pause, 1e-2)
+            # A rank that waits for a peer still finishing its step polls every ms, so that it does not start
+            # the next step up to 10 ms late (measured: a per-step decision over the ranks cost a K=2
+            # Transformer step 2-4% with 10 ms polls); a long wait polls every 10 ms.
+            pause = min(2 * pause, 1e-3 if time.monotonic() - start < FINE_POLLING else 1e-2)
     try:
         work.wait()  # raises the transport's error, if any
     except RuntimeError:
@@ -110,6 +113,9 @@ def wait(
             time.sleep(0.05)
         raise
 
+
+#: Seconds a collective polls every millisecond before it polls every 10 ms.
+FINE_POLLING = 0.5
 
 #: Seconds a broken collective waits for the failure board's account of the peer that broke it.
 ACCOUNT_GRACE = 2.0
