@@ -54,6 +54,7 @@ def test_a_gather_and_a_wait_for_its_own_ranks_message_are_a_deadlock_that_names
     store = dist.HashStore()
     with rank_waiting(0, GATHER) as zero, rank_waiting(1, MESSAGE) as one:
         assert zero.poll(store) is None and one.poll(store) is None  # not waited long enough yet
+        assert not store.check(["blocked/0"]) and not store.check(["blocked/1"])  # nor published
         time.sleep(AFTER * 2)
         assert one.poll(store) is None  # rank 0's wait is not published yet: no cycle is known
         found = zero.poll(store)
