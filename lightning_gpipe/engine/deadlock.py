@@ -194,8 +194,10 @@ class DeadlockWatch:
             key = f"blocked/{rank}"
             if rank != self.rank and store.check([key]):
                 text = store.get(key).decode()
-                if text:
+                try:
                     waits[rank] = Blocked.decode(text)
+                except ValueError:  # "" (a wait that ended), or a record this version cannot read: no wait known
+                    continue
         cycle = find_cycle(waits, self.rank)
         if cycle is None:
             return None
