@@ -594,6 +594,9 @@ class GPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             callbacks[:] = [c for c in callbacks if not isinstance(c, StopTogether)] + [StopTogether(self._any_stops)]
 
+    def _trainer(self) -> Optional["pl.Trainer"]:
+        return self.lightning_module.trainer if self.lightning_module is not None else None
+
     def _any_stops(self, should_stop: bool) -> bool:
         """Whether any rank was asked to stop (see :mod:`lightning_gpipe.stop_together`)."""
         return self.reduce_boolean_decision(should_stop, all=False)
@@ -601,7 +604,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         if trainer is not None:  # after every callback's and the module's on_train_start
             trainer.should_stop = self._any_stops(trainer.should_stop)
 
@@ -816,7 +819,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training loader resumable mid-epoch (see :mod:`lightning_gpipe.checkpointing.resumable`)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         if trainer is None or not trainer.training or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader
         loader = resumable(dataloader, consumed=lambda: self._batch_idx + 1, device=self.root_device)
@@ -843,7 +846,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # after the callbacks' and module's hooks
             trainer.should_stop = self._any_stops(trainer.should_stop)
         if self._tally is not None:
@@ -1134,7 +1137,7 @@ class GPipeStrategy(ParallelStrategy):
             self.pipe.close()
         self._copies = []
         self.pipe = None
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         if trainer is not None:  # the trainer's callbacks as the user left them
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit

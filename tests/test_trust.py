@@ -63,14 +63,14 @@ def test_a_failing_stage_under_on_exception_checkpoint_ends_every_rank_with_its_
     assert os.listdir(tmp_path) == []  # no checkpoint, partial or temporary, at its path or beside it
 
 
-def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_with_the_error(tmp_path):
-    # Lightning's popen launcher re-runs the script per rank and kills every rank once one dies
-    script = tmp_path / "failing.py"
+def _under_the_default_launcher(tmp_path, call: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``W.<call>`` as a script under Lightning's popen launcher (it re-runs the script per rank); its seconds."""
+    script = tmp_path / "script.py"
     script.write_text(
         textwrap.dedent(f"""
         import _trust_workers as W
         if __name__ == "__main__":
-            W.failing_stage_with_on_exception_checkpoint(0, 2, {str(tmp_path / "ckpt" / "on-exception.ckpt")!r})
+            W.{call}
     """)
     )
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
@@ -79,7 +79,13 @@ def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_wit
     result = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
-    seconds = time.monotonic() - start
+    return result, time.monotonic() - start
+
+
+def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_with_the_error(tmp_path):
+    # Lightning's popen launcher re-runs the script per rank and kills every rank once one dies
+    call = f"failing_stage_with_on_exception_checkpoint(0, 2, {str(tmp_path / 'ckpt' / 'on-exception.ckpt')!r})"
+    result, seconds = _under_the_default_launcher(tmp_path, call)
     assert result.returncode != 0
     assert seconds < BOUND
     assert "RuntimeError: boom on rank 1" in result.stderr
@@ -153,22 +159,8 @@ def test_a_stop_set_on_rank_zero_only_in_the_modules_own_hook_ends_every_rank_na
 
 def test_a_rank_zero_only_save_checkpoint_ends_the_job_naming_the_deadlock_under_the_default_launcher(tmp_path):
     # rank 0 gathers every stage's state for the file; rank 1 has gone on and waits for rank 0
-    script = tmp_path / "save_on_rank_zero.py"
     path = tmp_path / "ckpt" / "rank-zero.ckpt"
-    script.write_text(
-        textwrap.dedent(f"""
-        import _trust_workers as W
-        if __name__ == "__main__":
-            W.deadlocked(0, 2, "rank-zero save", {str(path)!r})
-    """)
-    )
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
-    start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    seconds = time.monotonic() - start
+    result, seconds = _under_the_default_launcher(tmp_path, f"deadlocked(0, 2, 'rank-zero save', {str(path)!r})")
     assert result.returncode != 0
     assert seconds < BOUND
     assert "none can go on (a deadlock): " in result.stderr, result.stderr[-3000:]

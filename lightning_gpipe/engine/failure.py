@@ -324,15 +324,13 @@ class FailureBoard:
                     f"{self.describe(0)} (rank 0) stopped responding: the job's store, which rank 0 "
                     f"hosts, has not answered for {silent:.0f}s"
                 )
-            # another rank's failure, or one a check of this rank found while its training thread was blocked
-            if (self._message is None or self._published) and self.found is None:
+            if self._message is None or self._published:
                 continue
             if self._stop.wait(grace) or self._published:
                 return
-            whose = "this rank" if self.found is not None else "another rank"
             sys.stderr.write(
-                f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after {whose} "
-                f"failed and this one stayed blocked.\n{self.found or self._message}\n"
+                f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after another "
+                f"rank failed and this one stayed blocked.\n{self._message}\n"
             )
             main = threading.main_thread().ident
             traceback.print_stack(sys._current_frames().get(main) if main is not None else None, file=sys.stderr)
