@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -427,6 +427,11 @@ class GPipeStrategy(ParallelStrategy):
             split_backward=self.split_backward,
         )
         pipe.ties.prefix = self.backbone + "."
+        pipe.whole_state_hint = (
+            "call `trainer.save_checkpoint(path)` on every rank (the file holds every stage), "
+            "`trainer.strategy.lightning_module_state_dict()` on every rank (the whole model on rank 0), or "
+            "`state_dict()` after `trainer.fit` returns (the whole backbone is back in the module on every rank)"
+        )
         setattr(owner, name, pipe)
         return pipe
 
@@ -596,6 +601,11 @@ class GPipeStrategy(ParallelStrategy):
 
     def _trainer(self) -> Optional["pl.Trainer"]:
         return self.lightning_module.trainer if self.lightning_module is not None else None
+
+    def _stage_state(self) -> Any:
+        """A context in which the module's ``state_dict()`` holds this stage's part of the backbone, for the
+        strategy's own code that gathers or selects per stage (outside it, a partitioned backbone refuses)."""
+        return self.pipe.stage_state() if self.pipe is not None else nullcontext()
 
     def _any_stops(self, should_stop: bool) -> bool:
         """Whether any rank was asked to stop (see :mod:`lightning_gpipe.stop_together`)."""
@@ -886,7 +896,8 @@ class GPipeStrategy(ParallelStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        local = module.state_dict()
+        with self._stage_state():
+            local = module.state_dict()
         if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded" or self.failed:
             return local  # after a failure nothing is gathered: save_checkpoint writes nothing then
         full_backbone = model_state.gather_state_dict(self.pipe)
@@ -971,7 +982,9 @@ class GPipeStrategy(ParallelStrategy):
         path = str(filepath)
         if self.state_dict_type == "sharded":
             if self.pipe is not None:  # the key order of a one-device state_dict, for `consolidate`
-                keys = self.pipe.gather(list(self.pipe.state_dict()), to_all=False)
+                with self.pipe.stage_state():
+                    own = list(self.pipe.state_dict())
+                keys = self.pipe.gather(own, to_all=False)
                 full = {k: None for part in keys or [] for k in part}
                 checkpoint["gpipe"]["state_dict_keys"] = list(
                     model_state.merge_backbone(
@@ -1069,7 +1082,8 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         params = {n for n, _ in module.named_parameters()} | set(tied.canonical_names(module).values())
-        return stage_selector(set(module.state_dict()), params)
+        with self._stage_state():
+            return stage_selector(set(module.state_dict()), params)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

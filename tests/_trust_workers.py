@@ -123,6 +123,22 @@ class StopOnRankZero(Callback):
             trainer.should_stop = True
 
 
+class StateAtTrainEnd(Callback):
+    """Asks for the model's state in ``on_train_end``, while the backbone is still partitioned, in the three ways
+    a user might: the module's ``state_dict()``, the same for this stage on purpose, and the strategy's."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        try:
+            pl_module.state_dict()
+            self.refused = None
+        except RuntimeError as error:
+            self.refused = str(error)
+        with pl_module.backbone.stage_state():
+            self.stage_keys = list(pl_module.state_dict())
+        whole = trainer.strategy.lightning_module_state_dict()  # on every rank: it gathers
+        self.whole = {k: v.detach().clone() for k, v in whole.items()}
+
+
 #: Each hook of a rank-zero-only stop, and the epoch it stops in (5 batches an epoch, batch 2 for the first).
 STOP_HOOKS = {"on_train_batch_end": 1, "on_validation_end": 1, "on_train_epoch_end": 0}
 
@@ -135,7 +151,7 @@ def stopped_fits(rank: int, world_size: int) -> dict:
     """
     from lightning_gpipe import GPipeStrategy
 
-    records = []
+    records, state = [], StateAtTrainEnd()
     for hook, epoch in STOP_HOOKS.items():
         L.seed_everything(0, verbose=False)
         model = M.Net()
@@ -144,7 +160,10 @@ def stopped_fits(rank: int, world_size: int) -> dict:
             strategy=strategy,
             devices=world_size,
             **M.trainer_kwargs(
-                callbacks=[StopOnRankZero(hook, epoch)], max_steps=-1, max_epochs=3, limit_val_batches=2
+                callbacks=[StopOnRankZero(hook, epoch)] + ([state] if world_size > 1 and not records else []),
+                max_steps=-1,
+                max_epochs=3,
+                limit_val_batches=2,
             ),
         )
         trainer.fit(model, M.loader(shuffle=False), M.loader(shuffle=False))
@@ -165,7 +184,7 @@ def stopped_fits(rank: int, world_size: int) -> dict:
             trainer.fit(M.Net(), M.loader(shuffle=False), M.loader(shuffle=False))
         except ValueError as error:
             refused = str(error)
-    return {"stops": records, "timed validation": refused}
+    return {"stops": records, "timed validation": refused, "state at train end": vars(state)}
 
 
 class SaveOnRankZero(Callback):

@@ -197,9 +197,16 @@ def _two_stages(rank, world_size):
             p.add_(1.0)
         for name, buffer in pipe.named_buffers():
             buffer.fill_(0.5 if name.endswith("running_mean") else 3.0)
-    local = net.state_dict(keep_vars=True)
+    try:
+        net.state_dict()
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    with pipe.stage_state():  # this stage's part, on purpose: outside, a partitioned backbone refuses
+        local = net.state_dict(keep_vars=True)
     gathered = model_state.gather_state_dict(pipe)
     result = {
+        "refused": refused,
         "gathered": gathered,
         "merged": None if gathered is None else list(model_state.merge_backbone(local, gathered, "backbone.", net)),
         "full_keys": model_state.full_keys(net, pipe, "backbone."),
@@ -238,6 +245,11 @@ def test_two_stages_gather_the_whole_state_check_the_whole_keys_and_reassemble_t
 
     for rank in range(2):
         assert results[rank]["full_keys"] == one_device
+    # a stage's state under the whole model's keys is refused unless asked for on purpose, naming the stage
+    for rank, layers in enumerate(["0-1", "2-4"]):
+        refused = results[rank]["refused"]
+        assert refused is not None and f"stage {rank} (layers {layers} of 5)" in refused, refused
+        assert "`pipe.gather(part, to_all=False)`" in refused and "`with pipe.stage_state():`" in refused
     assert results[0]["local_keys"] == [
         "embed.weight",
         "embed.bias",

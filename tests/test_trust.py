@@ -126,11 +126,16 @@ def test_a_second_backward_through_the_pipeline_says_what_to_do_instead():
         loss.backward()
 
 
-def test_a_callback_that_stops_on_rank_zero_only_stops_every_rank_where_one_device_stops():
+@pytest.fixture(scope="module")
+def stopped_fits():
+    """The fits of ``W.stopped_fits`` on 2 stages (one spawned run), and on one device."""
+    return run_processes(W.stopped_fits, 2, timeout=180), W.stopped_fits(0, 1)["stops"]
+
+
+def test_a_callback_that_stops_on_rank_zero_only_stops_every_rank_where_one_device_stops(stopped_fits):
     # Lightning reads trainer.should_stop on each rank for itself: before the strategy agreed on it, rank 0
     # left the fit alone and rank 1 waited for it until the process group's timeout
-    outcome = run_processes(W.stopped_fits, 2, timeout=180)
-    one_device = W.stopped_fits(0, 1)["stops"]
+    outcome, one_device = stopped_fits
     assert [r["global_step"] for r in one_device] == [8, 10, 5]  # each stop took effect where it was set
     for result in outcome.results:
         records = result["stops"]
@@ -144,6 +149,31 @@ def test_a_callback_that_stops_on_rank_zero_only_stops_every_rank_where_one_devi
         refused = result["timed validation"]
         assert refused is not None and refused.startswith("val_check_interval given as a time (5s) is not supported")
         assert "a number of training batches" in refused
+
+
+def test_the_modules_state_dict_during_a_pipelined_fit_refuses_and_the_ways_it_names_give_the_whole_model(
+    stopped_fits,
+):
+    # a stage's state_dict has the whole model's keys for its own layers only: saved from rank 0, it silently
+    # lost every other stage's layers
+    outcome, one_device = stopped_fits
+    whole_after_fit = one_device[0]["weights"]  # the same fit on one device (the weights agree to 1e-6, above)
+    stage_keys = []
+    for rank, result in enumerate(outcome.results):
+        state = result["state at train end"]
+        refused = state["refused"]
+        assert refused is not None and refused.startswith("state_dict() of a backbone partitioned over 2 stages")
+        assert f"stage {rank} (layers" in refused and "trainer.save_checkpoint(path)` on every rank" in refused
+        assert "stage_state()" in refused
+        stage_keys.append(state["stage_keys"])
+        whole = {k[len("backbone.") :]: v for k, v in state["whole"].items() if k.startswith("backbone.")}
+        if rank == 0:  # the strategy's state_dict, called on every rank, is the whole model on the first stage
+            assert list(whole) == list(whole_after_fit)
+            for name, value in whole_after_fit.items():
+                torch.testing.assert_close(whole[name], value, atol=1e-6, rtol=0)
+    # on purpose, each stage's own part: together the whole backbone, once
+    own = [{k for k in keys if k.startswith("backbone.")} for keys in stage_keys]
+    assert not own[0] & own[1] and {k[len("backbone.") :] for k in own[0] | own[1]} == set(whole_after_fit)
 
 
 def test_a_stop_set_on_rank_zero_only_in_the_modules_own_hook_ends_every_rank_naming_the_deadlock(tmp_path):

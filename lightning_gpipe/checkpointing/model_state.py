@@ -29,7 +29,9 @@ def gather_state_dict(pipe: GPipe) -> Optional[dict[str, Tensor]]:
     """The full Sequential's ``state_dict`` (keys ``"<layer>.<name>"``, on the CPU) on the first stage; ``None``
     on the others. Collective over the pipeline: only tensors travel, never modules (modules with hook
     closures cannot be pickled)."""
-    parts = pipe.gather(_cpu(pipe.state_dict()), to_all=False)
+    with pipe.stage_state():
+        own = _cpu(pipe.state_dict())
+    parts = pipe.gather(own, to_all=False)
     if parts is None:
         return None
     return {k: v for part in parts for k, v in part.items()}
@@ -79,7 +81,9 @@ def full_keys(module: nn.Module, pipe: GPipe, prefix: str) -> list[str]:
     """The whole model's ``state_dict`` keys, as one device has them, on one stage of ``module`` (its backbone,
     under ``prefix``, partitioned by ``pipe``)."""
     full = dict.fromkeys(pipe.full_sequential().state_dict(keep_vars=True))
-    return list(merge_backbone(module.state_dict(keep_vars=True), full, prefix, module))
+    with pipe.stage_state():
+        local = module.state_dict(keep_vars=True)
+    return list(merge_backbone(local, full, prefix, module))
 
 
 def check_keys(expected: list[str], saved: list[str], model: str) -> None:

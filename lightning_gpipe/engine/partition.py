@@ -11,6 +11,7 @@ from torch import nn
 __all__ = [
     "balance",
     "balance_by_params",
+    "layer_span",
     "parameter_costs",
     "split_table",
     "stage_bounds",
@@ -169,6 +170,10 @@ def split_table(
     for stage, ((start, stop), count, t, m) in enumerate(
         zip(stage_bounds(balance), counts, shares(time), shares(memory))
     ):
-        layers = str(start) if stop - start == 1 else f"{start}-{stop - 1}"
-        rows.append(f"| {stage} | {layers} | {int(count):,} | {t} | {m} |")
+        rows.append(f"| {stage} | {layer_span(start, stop)} | {int(count):,} | {t} | {m} |")
     return "\n".join(rows)
+
+
+def layer_span(start: int, stop: int) -> str:
+    """Layers ``start`` to ``stop - 1`` as tables and messages show them: ``"4-6"``, or ``"4"`` for one layer."""
+    return str(start) if stop - start == 1 else f"{start}-{stop - 1}"

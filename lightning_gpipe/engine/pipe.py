@@ -18,7 +18,7 @@ from lightning_gpipe.engine import distributed, microbatch
 from lightning_gpipe.engine.channels import Channels
 from lightning_gpipe.engine.failure import FailureBoard, PipelineError
 from lightning_gpipe.engine.lockstep import stray_message_error
-from lightning_gpipe.engine.partition import balance_by_params, stage_bounds, validate_balance
+from lightning_gpipe.engine.partition import balance_by_params, layer_span, stage_bounds, validate_balance
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.skip import SkipRoutes, StageSkips, find_skips
 from lightning_gpipe.engine.stage import StageRunner
@@ -116,6 +116,13 @@ class GPipe(nn.Module):
         split_backward: bool = False,
     ) -> None:
         super().__init__()
+        self._partial_state = 0  # > 0 inside `stage_state()`: state_dict() may return this stage's part
+        #: what ``state_dict()`` outside :meth:`stage_state` tells the caller to do instead (an owner such as the
+        #: Lightning strategy replaces it with its own ways to the whole model's state)
+        self.whole_state_hint = (
+            "take each stage's part as below and gather the parts with `pipe.gather(part, to_all=False)` on every "
+            "process (the whole state on the first stage)"
+        )
         if not isinstance(split_backward, bool):
             raise TypeError(f"`split_backward` must be True or False, got {split_backward!r}.")
         if not isinstance(module, nn.Sequential):
@@ -349,6 +356,33 @@ class GPipe(nn.Module):
     def full_sequential(self) -> nn.Sequential:
         """The Sequential this pipeline was built from (other stages' layers are on ``meta`` until reassembled)."""
         return self._full[0]
+
+    @contextmanager
+    def stage_state(self) -> Iterator[None]:
+        """Within, ``state_dict()`` returns this stage's entries only, for code that knows it gets a part.
+
+        Outside, ``state_dict()`` of a pipeline of more than one stage raises instead: a partial state that
+        looks like a whole one (its keys are the Sequential's) is how a saved model silently loses layers.
+        """
+        self._partial_state += 1
+        try:
+            yield
+        finally:
+            self._partial_state -= 1
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """This stage's state, under the Sequential's keys: inside :meth:`stage_state` only, when partitioned."""
+        if self.layout.pipe_size > 1 and not self._partial_state:
+            layers = layer_span(*stage_bounds(self.balance)[self.stage])
+            owner = "<module>." + self.ties.prefix[:-1] if self.ties.prefix else "pipe"
+            raise RuntimeError(
+                f"state_dict() of a backbone partitioned over {self.layout.pipe_size} stages would hold only "
+                f"this process's stage {self.stage} (layers {layers} of {self.num_layers}), "
+                "under keys that look like the whole model's, so a saved or copied model would silently miss the "
+                f"other stages' layers. Instead, {self.whole_state_hint}. For this stage's part on purpose, call it "
+                f"inside `with {owner}.stage_state():`."
+            )
+        return super().state_dict(*args, **kwargs)
 
     def _load_from_state_dict(
         self,
