@@ -21,6 +21,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -77,6 +78,10 @@ def _reporting(function: Callable, on_failure: OnFailure) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
+        except _TunerExitException:
+            # how Lightning's tuner (`Tuner.lr_find`) ends the fit it ran on every rank, which Lightning then tears
+            # down as a finished fit: not a failure (reported as one, the backbone stayed partitioned after it)
+            raise
         except BaseException as error:
             replacement = on_failure(error)
             if replacement is not None:

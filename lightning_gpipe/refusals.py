@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.callbacks import BatchSizeFinder, ModelPruning
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 
@@ -55,9 +55,21 @@ def timed_validation(seconds: Optional[float]) -> None:
         )
 
 
-def callbacks(callbacks: list[Any], averaging: list[str], state_dict_type: str) -> None:
-    """Refuse, on every rank before anything runs, the callbacks that would see one stage as the whole model."""
+def callbacks(callbacks: list[Any], averaging: list[str], state_dict_type: str, processes: int) -> None:
+    """Refuse, on every rank before anything runs, the callbacks that would see one stage as the whole model, or
+    that each rank would run its own way."""
     for callback in callbacks:
+        if isinstance(callback, BatchSizeFinder) and processes > 1:
+            # Lightning refuses it for its distributed strategies; a pipeline of one replica does not count as
+            # one (so that no DistributedSampler shards the stages' batches), so it must be refused here.
+            raise ValueError(
+                "The batch size finder (`BatchSizeFinder`, which `Tuner.scale_batch_size` runs) is not supported by "
+                f"the gpipe strategy over {processes} processes: each rank would try batch sizes against its own "
+                "out-of-memory errors (each stage holds different layers, so they fail at different sizes) and "
+                "restore its own temporary checkpoint, so the stages would train with different batch sizes. Find "
+                "the batch size on one device (devices=1) and set it, or let GPipeStrategy(chunks='auto', "
+                "max_memory=...) fit the micro-batches to memory."
+            )
         if isinstance(callback, ModelPruning):
             raise ValueError(
                 "ModelPruning is not supported by the gpipe strategy: it picks the layers to prune in its "

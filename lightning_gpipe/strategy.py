@@ -569,7 +569,8 @@ class GPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         refusals.fp16_scaler(self.precision_plugin)
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
-        refusals.callbacks(trainer.callbacks, [name for name, _ in averaged_copies(trainer)], self.state_dict_type)  # type: ignore[attr-defined]
+        averaging = [name for name, _ in averaged_copies(trainer)]
+        refusals.callbacks(trainer.callbacks, averaging, self.state_dict_type, self.world_size)  # type: ignore[attr-defined]
         self.accelerator.setup(trainer)
         plugin: Any = copy_as(self.precision_plugin, _GlobalNormClipping)  # the user's plugin class, subclassed
         plugin.pipeline = lambda: self.pipe

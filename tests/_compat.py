@@ -72,6 +72,8 @@ class Scenario:
     trainer: dict[str, Any] = field(default_factory=dict)
     callbacks: list[Any] = field(default_factory=list)
     logger: bool = False
+    #: run before ``fit`` with the Trainer, the module and the training data (a tuner)
+    before_fit: Optional[Callable[[L.Trainer, L.LightningModule, DataLoader], None]] = None
 
 
 # -- the scenarios --------------------------------------------------------------------------------------
@@ -255,6 +257,28 @@ def tuples_across_stages() -> Scenario:
     return Scenario(Base(backbone))  # split [2, 2]: the pair crosses the boundary
 
 
+class TunedRate(Base):
+    """A learning rate that Lightning's learning rate finder sets (``lr``, read in ``configure_optimizers``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 0.01
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _find_rate(trainer: L.Trainer, module: L.LightningModule, train: DataLoader) -> None:
+    from lightning.pytorch.tuner import Tuner
+
+    found = Tuner(trainer).lr_find(module, train_dataloaders=train, num_training=30, early_stop_threshold=None)
+    module.record["lr_find"] = {"suggestion": found.suggestion(), "losses": found.results["loss"], "lr": module.lr}
+
+
+def lr_finder() -> Scenario:
+    return Scenario(TunedRate(), train=_loader(samples=160), before_fit=_find_rate)  # room for 30 steps in 2 epochs
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (
@@ -272,6 +296,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         embedding_first,
         backbone_called_twice,
         tuples_across_stages,
+        lr_finder,
     )
 }
 
@@ -305,6 +330,8 @@ def run(name: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
             callbacks=scenario.callbacks,
             **settings,
         )
+        if scenario.before_fit is not None:
+            scenario.before_fit(trainer, scenario.module, scenario.train)
         trainer.fit(scenario.module, scenario.train, scenario.val)
         logged = _logged(logs) if scenario.logger and trainer.is_global_zero else None
     return {

@@ -184,7 +184,32 @@ def stopped_fits(rank: int, world_size: int) -> dict:
             trainer.fit(M.Net(), M.loader(shuffle=False), M.loader(shuffle=False))
         except ValueError as error:
             refused = str(error)
-    return {"stops": records, "timed validation": refused, "state at train end": vars(state)}
+    batch_size_finder = None
+    if world_size > 1:
+        from lightning.pytorch.tuner import Tuner
+
+        trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
+        try:
+            Tuner(trainer).scale_batch_size(WithBatchSize(), max_trials=2)
+        except ValueError as error:
+            batch_size_finder = str(error)
+    return {
+        "stops": records,
+        "timed validation": refused,
+        "state at train end": vars(state),
+        "batch size finder": batch_size_finder,
+    }
+
+
+class WithBatchSize(M.Net):
+    """A module whose ``batch_size`` the batch size finder may change (it builds its own loader)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 8
+
+    def train_dataloader(self):
+        return M.loader(batch_size=self.batch_size, shuffle=False)
 
 
 class SaveOnRankZero(Callback):

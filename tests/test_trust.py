@@ -149,6 +149,10 @@ def test_a_callback_that_stops_on_rank_zero_only_stops_every_rank_where_one_devi
         refused = result["timed validation"]
         assert refused is not None and refused.startswith("val_check_interval given as a time (5s) is not supported")
         assert "a number of training batches" in refused
+        # and so is the batch size finder: each rank would search against its own out-of-memory errors
+        refused = result["batch size finder"]
+        assert refused is not None and refused.startswith("The batch size finder (`BatchSizeFinder`, which ")
+        assert "over 2 processes" in refused and "devices=1" in refused
 
 
 def test_the_modules_state_dict_during_a_pipelined_fit_refuses_and_the_ways_it_names_give_the_whole_model(
