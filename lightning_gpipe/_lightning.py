@@ -16,7 +16,13 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    ModelSummary,
+    StochasticWeightAveraging,
+    ThroughputMonitor,
+    WeightAveraging,
+)
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -332,6 +338,46 @@ def use_pipeline_summaries(trainer: "pl.Trainer") -> None:
     for i, callback in enumerate(callbacks):
         if isinstance(callback, ModelSummary):
             callbacks[i] = copy_as(callback, _Pipeline)
+
+
+class _PipelineThroughput:
+    """Lightning's ``Throughput`` for a pipeline: every sample counted once per pipeline, flops per device.
+
+    ``ThroughputMonitor`` makes its ``Throughput`` with ``world_size=trainer.world_size``, which counts every
+    process as a data-parallel device: it multiplies each device's samples and batches by it for the job's
+    totals. A pipeline's K processes all see the same batch, so the totals were K times too high. With
+    ``world_size`` set to the number of pipelines (data-parallel replicas) the totals are right, and a job of
+    one pipeline logs what one device logs (no totals). The flops, though, are the whole model's per batch
+    (``flops_per_batch``), spread over K devices: the per-device flops and MFU are divided by K here.
+    """
+
+    stages: int
+    separator: str
+
+    def compute(self) -> Any:
+        metrics = super().compute()  # type: ignore[misc]
+        for name in ("flops_per_sec", "mfu"):
+            key = f"device{self.separator}{name}"
+            if key in metrics:
+                metrics[key] /= self.stages
+        return metrics
+
+
+def count_throughput_per_pipeline(trainer: "pl.Trainer", pipelines: int, stages: int) -> None:
+    """Make each ``ThroughputMonitor`` count a pipeline of ``stages`` processes as one data-parallel device.
+
+    The monitor builds its ``Throughput`` objects in its ``setup`` hook, before the strategy's ``setup``, and keeps
+    them in the private ``_throughputs`` (no public way in): each is replaced by a copy that derives from
+    :class:`_PipelineThroughput` too (see :mod:`lightning_gpipe._subclass`).
+    """
+    if stages == 1:
+        return
+    for callback in _callbacks(trainer):
+        if isinstance(callback, ThroughputMonitor):
+            for stage, throughput in list(callback._throughputs.items()):
+                counted: Any = copy_as(throughput, _PipelineThroughput)
+                counted.world_size, counted.stages = pipelines, stages
+                callback._throughputs[stage] = counted
 
 
 def averaged_copies(trainer: "pl.Trainer") -> list[tuple[str, "pl.LightningModule"]]:

@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_gpipe import refusals
 from lightning_gpipe._lightning import (
     averaged_copies,
+    count_throughput_per_pipeline,
     current_hook,
     finetuning_callbacks,
     finetuning_group_names,
@@ -595,6 +596,7 @@ class GPipeStrategy(ParallelStrategy):
             self._layouts = [self._optimizer_layout(o) for o in self.optimizers]
             refusals.empty_everywhere([_unwrap(o) for o in self.optimizers], self._layouts, self._emptied)
         use_pipeline_summaries(trainer)
+        count_throughput_per_pipeline(trainer, self.layout.num_replicas, self.layout.pipe_size)
         walk_stages_in_finetuning()
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -206,6 +206,17 @@ def loggers_and_lr_monitor() -> Scenario:
     )
 
 
+class WithFlops(Base):
+    """Declares its flops per batch, as ``ThroughputMonitor`` reads them (a made-up, fixed count)."""
+
+    flops_per_batch = 1000.0
+
+
+def throughput_monitor() -> Scenario:
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]), window_size=2)
+    return Scenario(WithFlops(), callbacks=[monitor], logger=True, trainer={"log_every_n_steps": 1})
+
+
 def compiled_layers() -> Scenario:
     backbone = _backbone()
     for layer in backbone:
@@ -297,6 +308,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         backbone_called_twice,
         tuples_across_stages,
         lr_finder,
+        throughput_monitor,
     )
 }
 

@@ -74,6 +74,27 @@ def test_the_learning_rate_finder_suggests_the_one_device_rate_and_the_fit_after
         assert got["record"]["lr_find"]["losses"] == pytest.approx(found["losses"], abs=1e-6)
 
 
+def test_throughput_monitor_counts_each_sample_once_and_the_flops_per_device(runs):
+    # Lightning multiplies each process's counts by the world size, as if every process were a data-parallel
+    # device: a pipeline's 2 processes see the same batches, so its totals were twice the samples trained
+    want, ranks = _check("throughput_monitor", runs)
+    got = ranks[0]["logged"]
+    keys = lambda rows: sorted({k for row in rows for k in row})  # noqa: E731
+    assert keys(got) == keys(want["logged"])  # one pipeline, like one device: no job totals besides the device's
+    assert "train/device/samples_per_sec" in keys(got) and not any(k.startswith("train/samples_per") for k in keys(got))
+    for name in ("train/samples", "train/batches"):
+        assert [row.get(name) for row in got] == [row.get(name) for row in want["logged"]], name
+    rates = [row for row in got if "train/device/flops_per_sec" in row]
+    assert rates  # the whole model's flops per batch, spread over the 2 stages' devices
+    for row in rates:
+        per_device = float(row["train/device/batches_per_sec"]) * 1000.0 / 2
+        assert float(row["train/device/flops_per_sec"]) == pytest.approx(per_device, rel=1e-6)
+    for row in want["logged"]:
+        if "train/device/flops_per_sec" in row:
+            one = float(row["train/device/batches_per_sec"]) * 1000.0
+            assert float(row["train/device/flops_per_sec"]) == pytest.approx(one, rel=1e-6)
+
+
 def test_early_stopping_stops_every_stage_at_the_one_device_epoch(runs):
     want, ranks = _check("early_stopping", runs)
     assert want["epochs"] < 6  # it did stop early
