@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.callbacks import BatchSizeFinder, ModelPruning
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch import nn
 from torch.optim import Optimizer
 
 from lightning_gpipe.engine.optimizers import needs_whole_gradient
@@ -21,6 +22,7 @@ from lightning_gpipe.engine.topology import PipeLayout
 
 __all__ = [
     "callbacks",
+    "sync_batchnorm",
     "empty_everywhere",
     "fp16_scaler",
     "timed_validation",
@@ -40,6 +42,24 @@ def fp16_scaler(plugin: Precision) -> None:
             "GradScaler on each stage, and the stages would disagree on skipped steps and on the scale. Use "
             "precision='bf16-mixed' (no loss scaling needed), or '32-true'."
         )
+
+
+def sync_batchnorm(layer_sync: Any, module: nn.Module, processes: int) -> None:
+    """``Trainer(sync_batchnorm=True)`` (a ``LayerSync`` plugin), which Lightning's own strategies apply in setup."""
+    # SyncBatchNorm reduces its statistics over every process of the job: a pipeline's processes hold different
+    # layers, so a stage's BatchNorm would wait for stages that never run it. Ignoring the setting instead would
+    # leave the user's replicas unsynchronized without a word.
+    norms = [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if layer_sync is None or processes == 1 or not norms:
+        return
+    raise ValueError(
+        f"Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (BatchNorm in `{norms[0]}`"
+        f"{f' and {len(norms) - 1} more' if len(norms) > 1 else ''}): SyncBatchNorm reduces its statistics over "
+        "every process of the job, and the "
+        "processes of a pipeline hold different layers, so a stage's BatchNorm would wait for stages that never "
+        "run it. For statistics over the whole batch, not each micro-batch, use "
+        "GPipeStrategy(deferred_batch_norm=True), and leave sync_batchnorm unset."
+    )
 
 
 def timed_validation(seconds: Optional[float]) -> None:

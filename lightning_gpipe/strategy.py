@@ -570,6 +570,8 @@ class GPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         refusals.fp16_scaler(self.precision_plugin)
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
+        assert self.lightning_module is not None
+        refusals.sync_batchnorm(self._layer_sync, self.lightning_module, self.world_size)
         averaging = [name for name, _ in averaged_copies(trainer)]
         refusals.callbacks(trainer.callbacks, averaging, self.state_dict_type, self.world_size)  # type: ignore[attr-defined]
         self.accelerator.setup(trainer)

@@ -193,7 +193,19 @@ def stopped_fits(rank: int, world_size: int) -> dict:
             Tuner(trainer).scale_batch_size(WithBatchSize(), max_trials=2)
         except ValueError as error:
             batch_size_finder = str(error)
+    sync_batchnorm = None
+    if world_size > 1:
+        model = M.Net()
+        model.backbone.insert(1, torch.nn.BatchNorm1d(16))
+        trainer = L.Trainer(
+            strategy=GPipeStrategy(chunks=2), devices=world_size, sync_batchnorm=True, **M.trainer_kwargs()
+        )
+        try:
+            trainer.fit(model, M.loader(shuffle=False))
+        except ValueError as error:
+            sync_batchnorm = str(error)
     return {
+        "sync batchnorm": sync_batchnorm,
         "stops": records,
         "timed validation": refused,
         "state at train end": vars(state),

@@ -145,7 +145,12 @@ def test_a_callback_that_stops_on_rank_zero_only_stops_every_rank_where_one_devi
         for got, want in zip(records, one_device):
             for name, value in want["weights"].items():
                 torch.testing.assert_close(got["weights"][name], value, atol=1e-6, rtol=0)
-        # and validation by each rank's clock is refused on every rank, before any batch
+
+
+def test_what_each_rank_would_do_its_own_way_is_refused_on_every_rank_before_any_batch(stopped_fits):
+    outcome, _ = stopped_fits
+    for result in outcome.results:
+        # validation by each rank's own clock
         refused = result["timed validation"]
         assert refused is not None and refused.startswith("val_check_interval given as a time (5s) is not supported")
         assert "a number of training batches" in refused
@@ -153,6 +158,10 @@ def test_a_callback_that_stops_on_rank_zero_only_stops_every_rank_where_one_devi
         refused = result["batch size finder"]
         assert refused is not None and refused.startswith("The batch size finder (`BatchSizeFinder`, which ")
         assert "over 2 processes" in refused and "devices=1" in refused
+        # and SyncBatchNorm, which would reduce a stage's statistics with stages that do not run the layer
+        refused = result["sync batchnorm"]
+        assert refused is not None and refused.startswith("Trainer(sync_batchnorm=True) is not supported")
+        assert "`backbone.1`" in refused and "deferred_batch_norm=True" in refused
 
 
 def test_the_modules_state_dict_during_a_pipelined_fit_refuses_and_the_ways_it_names_give_the_whole_model(
