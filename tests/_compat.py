@@ -74,6 +74,8 @@ class Scenario:
     logger: bool = False
     #: run before ``fit`` with the Trainer, the module and the training data (a tuner)
     before_fit: Optional[Callable[[L.Trainer, L.LightningModule, DataLoader], None]] = None
+    #: run after ``fit`` with the same arguments and the validation data (more calls on the same Trainer)
+    after_fit: Optional[Callable[[L.Trainer, L.LightningModule, DataLoader, Optional[DataLoader]], None]] = None
 
 
 # -- the scenarios --------------------------------------------------------------------------------------
@@ -290,6 +292,29 @@ def lr_finder() -> Scenario:
     return Scenario(TunedRate(), train=_loader(samples=160), before_fit=_find_rate)  # room for 30 steps in 2 epochs
 
 
+class Evaluated(Base):
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self.loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.backbone(batch[0])
+
+
+def _validate_test_predict_and_fit_on(
+    trainer: L.Trainer, module: L.LightningModule, train: DataLoader, val: Optional[DataLoader]
+) -> None:
+    """What a script does with a Trainer after ``fit``: evaluate, predict, then train one epoch more."""
+    module.record["validate"] = trainer.validate(module, val, verbose=False)
+    module.record["test"] = trainer.test(module, val, verbose=False)
+    module.record["predict"] = [p.detach().clone() for p in trainer.predict(module, val) or []]
+    trainer.fit_loop.max_epochs = trainer.current_epoch + 1
+    trainer.fit(module, train, val)
+
+
+def same_trainer_after_fit() -> Scenario:
+    return Scenario(Evaluated(), val=_loader(samples=16), after_fit=_validate_test_predict_and_fit_on)
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (
@@ -309,6 +334,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         tuples_across_stages,
         lr_finder,
         throughput_monitor,
+        same_trainer_after_fit,
     )
 }
 
@@ -345,6 +371,8 @@ def run(name: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
         if scenario.before_fit is not None:
             scenario.before_fit(trainer, scenario.module, scenario.train)
         trainer.fit(scenario.module, scenario.train, scenario.val)
+        if scenario.after_fit is not None:
+            scenario.after_fit(trainer, scenario.module, scenario.train, scenario.val)
         logged = _logged(logs) if scenario.logger and trainer.is_global_zero else None
     return {
         "weights": {k: v.detach().clone() for k, v in scenario.module.state_dict().items()},

@@ -95,6 +95,19 @@ def test_throughput_monitor_counts_each_sample_once_and_the_flops_per_device(run
             assert float(row["train/device/flops_per_sec"]) == pytest.approx(one, rel=1e-6)
 
 
+def test_validate_test_predict_and_a_second_fit_on_the_same_trainer_after_fit_match_one_device(runs):
+    want, ranks = _check("same_trainer_after_fit", runs)  # the weights after the second fit, its steps and epoch
+    assert want["epochs"] == 3  # the second fit ran its extra epoch
+    for got in ranks:
+        for call in ("validate", "test"):
+            assert got["record"][call][0].keys() == want["record"][call][0].keys()
+            for key, value in want["record"][call][0].items():
+                assert got["record"][call][0][key] == pytest.approx(value, abs=1e-6), (call, key)
+        assert len(got["record"]["predict"]) == len(want["record"]["predict"]) == 2
+        for batch, expected in zip(got["record"]["predict"], want["record"]["predict"]):
+            torch.testing.assert_close(batch, expected, atol=1e-6, rtol=0)
+
+
 def test_early_stopping_stops_every_stage_at_the_one_device_epoch(runs):
     want, ranks = _check("early_stopping", runs)
     assert want["epochs"] < 6  # it did stop early
