@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_gpipe._subclass import copy_as
+from lightning_gpipe.checkpointing.model_state import meta_state_allowed
 from lightning_gpipe.engine.pipe import GPipe
 
 __all__ = [
@@ -107,6 +108,10 @@ class MainProcessLauncher(_MultiProcessingLauncher):
     so those tensors become ``meta`` in the main process too, where any use fails loudly, and a
     warning says how to get the whole model.
     """
+
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
+        with meta_state_allowed():  # after a sharded run: handed back as meta, made meta in the main process below
+            return super()._collect_rank_zero_results(trainer, results)
 
     def _recover_results_in_main_process(self, worker_output: Any, trainer: "pl.Trainer") -> None:
         path = worker_output.weights_path

@@ -1164,11 +1164,13 @@ class GPipeStrategy(ParallelStrategy):
         super().teardown()
         if sharded is not None:
             owner, name, sequential = sharded
+            whole = "For the whole model, load the sharded checkpoint with "
+            whole += "`lightning_gpipe.checkpointing.consolidate(path)`."
+            model_state.refuse_meta_state(sequential, self.layout.stage_of(self.global_rank), whole)
             setattr(owner, name, sequential)
             rank_zero_info(
                 f"state_dict_type='sharded': after the run each rank holds only its own stage of `{self.backbone}` "
-                "(the other layers are on the meta device). For the whole model, load the sharded checkpoint "
-                "with `lightning_gpipe.checkpointing.consolidate(path)`."
+                f"(the other layers are on the meta device; the module's state_dict() refuses). {whole}"
             )
 
     @classmethod

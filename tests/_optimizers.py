@@ -18,6 +18,8 @@ import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
 from torch import nn
 
+from lightning_gpipe.checkpointing.model_state import meta_state_allowed
+
 #: Stage 0 holds layers 0-2 of the backbone (two Linear layers), stage 1 layers 3-6.
 BALANCE = [3, 4]
 #: 5 batches an epoch. :func:`picky` runs 8 steps; its checkpoint is the one at the end of the first epoch.
@@ -117,7 +119,8 @@ def _trainer(
 
 def _weights(model: L.LightningModule) -> dict[str, torch.Tensor | None]:
     """The trained weights; ``None`` for another stage's layers after a sharded run (they stay on ``meta``)."""
-    return {k: None if v.is_meta else v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    with meta_state_allowed():  # the meta entries on purpose: outside, the state_dict of a sharded run refuses
+        return {k: None if v.is_meta else v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def picky(

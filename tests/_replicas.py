@@ -12,6 +12,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+from lightning_gpipe.checkpointing.model_state import meta_state_allowed
+
 STEPS, BATCH = 5, 8  # per replica; 20 samples a replica: batches of 8, 8, 4, so 5 steps cross an epoch
 
 
@@ -41,7 +43,7 @@ def _fit(
     if ckpt_path is not None:
         raise AssertionError("use _resume")
     return {
-        "weights": {k: v.clone() for k, v in net.state_dict().items()},
+        "weights": _state(net),
         "grads": {k: v.clone() for k, v in net.first_grads.items()},
         "losses": list(net.losses),
         "logged": float(trainer.callback_metrics["train_loss"]),
@@ -53,7 +55,7 @@ def _resume(strategy: Any, devices: int, ckpt_path: str, max_steps: int, **model
     net = M.Net(**model)
     trainer = L.Trainer(strategy=strategy, devices=devices, **M.trainer_kwargs(max_steps=max_steps))
     trainer.fit(net, M.loader(batch_size=BATCH), ckpt_path=ckpt_path)
-    return {"weights": {k: v.clone() for k, v in net.state_dict().items()}}
+    return {"weights": _state(net)}
 
 
 def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
@@ -104,7 +106,13 @@ def one_device_on_the_global_batch(tied: bool = False, **model: Any) -> dict[str
     trainer = L.Trainer(devices=1, **M.trainer_kwargs(max_steps=STEPS))
     trainer.fit(net, loader)
     return {
-        "weights": {k: v.clone() for k, v in net.state_dict().items()},
+        "weights": _state(net),
         "grads": {k: v.clone() for k, v in net.first_grads.items()},
         "losses": list(net.losses),
     }
+
+
+def _state(net) -> dict:
+    """What this process holds (after a sharded run, the other stages' layers on meta: read on purpose)."""
+    with meta_state_allowed():
+        return {k: v.clone() for k, v in net.state_dict().items()}

@@ -13,6 +13,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lightning_gpipe.checkpointing.model_state import meta_state_allowed
+
 STEPS = 8  # 5 batches an epoch: runs cross an epoch boundary
 RANDOM = {"dropout": 0.3, "head_dropout": 0.2, "scheduler": True}  # dropout in and outside the pipe, a scheduler
 
@@ -30,7 +32,9 @@ def _trainer(devices: int, strategy: dict, max_steps: int, callbacks=(), **kwarg
 
 
 def _weights(model: L.LightningModule) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """What this process holds (after a sharded run, the other stages' layers on meta: read on purpose)."""
+    with meta_state_allowed():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def run(
@@ -64,24 +68,33 @@ def run(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, M.loader(shuffle=shuffle), ckpt_path=ckpt_path)
+    try:
+        model.state_dict()
+        refused = None
+    except RuntimeError as error:  # after a sharded run: this process holds one stage, the rest on meta
+        refused = str(error)
     return {
         "weights": _weights(model),
+        "state_dict refused": refused,
         "losses": list(model.losses),
         "warned": [str(w.message) for w in caught if "random streams" in str(w.message)],
     }
 
 
-def save_for_repartition(rank: int, world_size: int, directory: str) -> None:
-    """K stages write step-3 checkpoints (mid-epoch), full and sharded, for another K to resume."""
+def save_for_repartition(rank: int, world_size: int, directory: str) -> dict[str, str | None]:
+    """K stages write step-3 checkpoints (mid-epoch), full and sharded, for another K to resume; whether the
+    model's ``state_dict()`` after each run refused (its message)."""
+    refused = {}
     for kind in ("full", "sharded"):
-        run(
+        refused[kind] = run(
             world_size,
             "adam",
             strategy={"state_dict_type": kind},
             max_steps=3,
             save_every=3,
             directory=os.path.join(directory, f"{kind}-k{world_size}"),
-        )
+        )["state_dict refused"]
+    return refused
 
 
 def resume_everything(rank: int, world_size: int, directory: str, one_device_ckpt: str) -> dict[str, Any]:

@@ -18,9 +18,20 @@ def runs(tmp_path_factory):
     """One spawn of 3 stages writes checkpoints; one spawn of 2 stages does all the resuming."""
     directory = str(tmp_path_factory.mktemp("resume"))
     one = R.one_device("adam", max_steps=5, save_every=5, directory=os.path.join(directory, "one"))
-    run_ok(R.save_for_repartition, 3, directory, timeout=300)
+    saved = run_ok(R.save_for_repartition, 3, directory, timeout=300)
     results = run_ok(R.resume_everything, 2, directory, os.path.join(directory, "one", "step=5.ckpt"), timeout=1200)
-    return {"pipeline": results, "one device": one, "directory": directory}
+    return {"pipeline": results, "one device": one, "directory": directory, "saved": saved}
+
+
+def test_after_a_sharded_run_the_modules_state_dict_refuses_naming_the_stage_and_consolidate(runs):
+    # each process keeps its own stage and the others' layers on meta, which torch.save writes without complaint
+    for rank, refused in enumerate(runs["saved"]):
+        assert refused["full"] is None  # after a full run the whole model is back on every rank
+        message = refused["sharded"]
+        assert message is not None and message.startswith(
+            f"state_dict() after a run with state_dict_type='sharded': this process kept only stage {rank}'s"
+        )
+        assert "lightning_gpipe.checkpointing.consolidate(path)" in message
 
 
 def assert_same_weights(got, expected, atol=1e-6):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -11,6 +13,8 @@ from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.stage_copy import Gather, StageCopy, retie
 
 __all__ = [
+    "meta_state_allowed",
+    "refuse_meta_state",
     "check_keys",
     "full_keys",
     "gather_state_dict",
@@ -77,10 +81,50 @@ def _backbone_slot(keys: list[str], prefix: str, module: nn.Module) -> int:
     return len(keys)
 
 
+_meta_allowed = 0  # > 0 inside `meta_state_allowed()`
+
+
+@contextmanager
+def meta_state_allowed() -> Iterator[None]:
+    """Within, a backbone left on ``meta`` by a sharded run gives its ``state_dict`` (meta entries included), for
+    code that knows it gets them: the spawn launcher's hand-back of rank 0's weights, the keys of a Sequential."""
+    global _meta_allowed
+    _meta_allowed += 1
+    try:
+        yield
+    finally:
+        _meta_allowed -= 1
+
+
+def refuse_meta_state(sequential: nn.Sequential, stage: int, hint: str) -> None:
+    """After a sharded run: ``sequential`` (this process's stage trained, the other stages' layers on ``meta``)
+    refuses ``state_dict()`` while any of its tensors is on ``meta``.
+
+    ``torch.save`` writes meta tensors without complaint, and loading them into a model only warns (copying
+    into a meta tensor is a no-op): a saved "model" would hold nothing of the other stages. Once every tensor
+    is real again (loaded with ``assign=True``, say), the state_dict is whole and passes.
+    """
+    if getattr(sequential, "_lightning_gpipe_refuses_meta", False):
+        return
+    sequential._lightning_gpipe_refuses_meta = True  # type: ignore[assignment]
+
+    def refuse(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        meta = [k for k, v in state.items() if k.startswith(prefix) and isinstance(v, Tensor) and v.is_meta]
+        if meta and not _meta_allowed:
+            raise RuntimeError(
+                f"state_dict() after a run with state_dict_type='sharded': this process kept only stage {stage}'s "
+                f"trained layers, and {len(meta)} tensors of the other stages (e.g. `{meta[0]}`) are on the meta "
+                f"device, which holds no values; saved, they would silently lose those layers. {hint}"
+            )
+
+    sequential.register_state_dict_post_hook(refuse)
+
+
 def full_keys(module: nn.Module, pipe: GPipe, prefix: str) -> list[str]:
     """The whole model's ``state_dict`` keys, as one device has them, on one stage of ``module`` (its backbone,
     under ``prefix``, partitioned by ``pipe``)."""
-    full = dict.fromkeys(pipe.full_sequential().state_dict(keep_vars=True))
+    with meta_state_allowed():  # only the keys: the other stages' layers are on meta
+        full = dict.fromkeys(pipe.full_sequential().state_dict(keep_vars=True))
     with pipe.stage_state():
         local = module.state_dict(keep_vars=True)
     return list(merge_backbone(local, full, prefix, module))
