@@ -19,7 +19,7 @@ LAYERS = {
     "_subclass": set(),
     "launch": {"engine"},
     "models": {"engine"},
-    "_lightning": {"engine", "_subclass"},
+    "_lightning": {"engine", "_subclass", "checkpointing"},
     "stop_together": set(),
     "strategy": {"refusals", "engine", "balancing", "checkpointing", "_lightning", "_subclass", "stop_together"},
     "monitor.callback": {"engine", "monitor.timer", "monitor.timeline", "_lightning", "strategy"},
