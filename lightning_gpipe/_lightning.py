@@ -292,7 +292,42 @@ class PipelineSummary(Summary):
         self._extra_total = full_total - sum(p.numel() for p in local)
         self._extra_trainable = full_trainable - sum(p.numel() for p in local if p.requires_grad)
         self._backbone_total = full_total
-        super().__init__(model, max_depth)
+        super().__init__(model, max_depth)  # runs `example_input_array` through the model, if set, counting flops
+        # Each rank counted the flops of its own stage's layers only (and of the layers outside the backbone, which
+        # every rank runs): the backbone's are summed over the stages.
+        self._local_backbone_flops = sum(self._flops_under(f"{type(model).__name__}.{backbone}").values())
+        flops = torch.tensor([self._local_backbone_flops], dtype=torch.float64)
+        if pipe.group is not None:
+            dist.all_reduce(flops, group=pipe.group)
+        self._backbone_flops = int(flops.item())
+        # Likewise the modules in train and eval mode: each rank holds its own stage's layers only.
+        stage_modules = [m for _, layer in pipe.local_layers() for m in layer.modules()]
+        modes = torch.tensor([sum(m.training for m in stage_modules), sum(not m.training for m in stage_modules)])
+        self._local_modes = (int(modes[0]), int(modes[1]))
+        if pipe.group is not None:
+            dist.all_reduce(modes, group=pipe.group)
+        self._every_stage_modes = (int(modes[0]), int(modes[1]))
+
+    def _flops_under(self, name: str) -> dict[Any, int]:
+        """The flops the counter attributed to module ``name``, by operator (its submodules included)."""
+        return self._flop_counter.get_flop_counts().get(name, {})
+
+    @property
+    def total_flops(self) -> int:
+        return super().total_flops - self._local_backbone_flops + self._backbone_flops
+
+    @property
+    def total_training_modes(self) -> dict[str, int]:
+        modes = super().total_training_modes
+        (train, evaluating), (every_train, every_eval) = self._local_modes, self._every_stage_modes
+        return {"train": modes["train"] - train + every_train, "eval": modes["eval"] - evaluating + every_eval}
+
+    @property
+    def flop_counts(self) -> dict[str, dict[Any, int]]:
+        counts = super().flop_counts
+        if self._backbone in counts:
+            counts[self._backbone] = {"every stage": self._backbone_flops}
+        return counts
 
     @property
     def param_nums(self) -> list[int]:
@@ -383,6 +418,15 @@ def count_throughput_per_pipeline(trainer: "pl.Trainer", pipelines: int, stages:
                 counted: Any = copy_as(throughput, _PipelineThroughput)
                 counted.world_size, counted.stages = pipelines, stages
                 callback._throughputs[stage] = counted
+
+
+def graph_loggers(trainer: "pl.Trainer") -> list[str]:
+    """The names of the trainer's loggers that trace the model for its graph (``TensorBoardLogger(log_graph=True)``).
+
+    Lightning calls ``log_graph(model)`` on rank 0 after ``on_fit_start``; TensorBoard's then runs the model
+    (``torch.jit.trace``). The setting is kept only in the private ``_log_graph``.
+    """
+    return [type(logger).__name__ for logger in trainer.loggers if getattr(logger, "_log_graph", False)]
 
 
 def averaged_copies(trainer: "pl.Trainer") -> list[tuple[str, "pl.LightningModule"]]:

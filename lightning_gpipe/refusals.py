@@ -22,6 +22,7 @@ from lightning_gpipe.engine.topology import PipeLayout
 
 __all__ = [
     "callbacks",
+    "graph_logging",
     "sync_batchnorm",
     "empty_everywhere",
     "fp16_scaler",
@@ -60,6 +61,19 @@ def sync_batchnorm(layer_sync: Any, module: nn.Module, processes: int) -> None:
         "run it. For statistics over the whole batch, not each micro-batch, use "
         "GPipeStrategy(deferred_batch_norm=True), and leave sync_batchnorm unset."
     )
+
+
+def graph_logging(loggers: list[str], processes: int) -> None:
+    """A logger that traces the model for its graph, on rank 0 alone."""
+    # Lightning has rank 0 run the model once more through the logger's trace: the backbone call would reach
+    # stage 0's layers alone, and the other stages, which never make that call, would fall out of step.
+    if loggers and processes > 1:
+        raise ValueError(
+            f"{loggers[0]}(log_graph=True) is not supported by the gpipe strategy over {processes} processes: "
+            "Lightning traces the model for the graph on rank 0 alone, where only the first stage's layers "
+            "run, and the other stages never make that call. Set log_graph=False, or log the graph of the "
+            "model on one device (devices=1)."
+        )
 
 
 def timed_validation(seconds: Optional[float]) -> None:

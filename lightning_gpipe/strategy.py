@@ -34,6 +34,7 @@ from lightning_gpipe._lightning import (
     finetuning_callbacks,
     finetuning_group_names,
     first_batch,
+    graph_loggers,
     init_process_group,
     launcher,
     optimizers_to_device,
@@ -572,6 +573,7 @@ class GPipeStrategy(ParallelStrategy):
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
         assert self.lightning_module is not None
         refusals.sync_batchnorm(self._layer_sync, self.lightning_module, self.world_size)
+        refusals.graph_logging(graph_loggers(trainer), self.world_size)
         averaging = [name for name, _ in averaged_copies(trainer)]
         refusals.callbacks(trainer.callbacks, averaging, self.state_dict_type, self.world_size)  # type: ignore[attr-defined]
         self.accelerator.setup(trainer)
@@ -582,6 +584,11 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None and self.model is not None
         self.pipe.call_label = lambda: current_hook(module)
+        if module.example_input_array is not None and self.pipe.group is not None:
+            # The model summary runs it through the backbone on every rank (so every stage joins the call); one
+            # device has one array, and an unseeded `torch.randn` one differed per rank, so the stages held
+            # different batches. Every stage takes the first stage's.
+            module.example_input_array = self.pipe.broadcast(module.example_input_array)
         pipe, board = self.pipe, self._board
         if board is not None:
             board.add_check(lambda: pipe.idle_stray(self.failure_timeout))

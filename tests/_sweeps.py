@@ -132,23 +132,33 @@ def checkpoint_during_fit(devices: int) -> dict[str, Any]:
 _SUMMARIES: list[dict[str, Any]] = []
 
 
-def summary_totals(devices: int) -> list[dict[str, Any]]:
-    """What Lightning's model summary reports (it prints on rank 0 only)."""
+def summary_totals(devices: int, pipeline: bool = True) -> list[dict[str, Any]]:
+    """What Lightning's model summary reports (it prints on rank 0 only); with an example input that differs per
+    rank, as an unseeded ``torch.randn`` one does."""
+    import os
+
     from lightning.pytorch.callbacks import ModelSummary
 
     from lightning_gpipe import GPipeStrategy
 
     class Recording(ModelSummary):
         @staticmethod
-        def summarize(summary_data, total_parameters, trainable_parameters, *args, **kwargs):
+        def summarize(summary_data, total_parameters, trainable_parameters, size, modes, total_flops, **kwargs):
             _SUMMARIES.append(
-                {"rows": dict(summary_data), "total": total_parameters, "trainable": trainable_parameters}
+                {
+                    "rows": dict(summary_data),
+                    "total": total_parameters,
+                    "trainable": trainable_parameters,
+                    "modes": modes,
+                    "flops": total_flops,
+                }
             )
 
     model = M.Net()
     model.backbone[0].weight.requires_grad_(False)
+    model.example_input_array = torch.full((3, M.FEATURES), float(os.environ.get("RANK", "0")))
     trainer = L.Trainer(
-        strategy=GPipeStrategy(),
+        strategy=GPipeStrategy() if pipeline else "auto",
         devices=devices,
         **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording()]),
     )

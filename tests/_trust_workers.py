@@ -204,7 +204,22 @@ def stopped_fits(rank: int, world_size: int) -> dict:
             trainer.fit(model, M.loader(shuffle=False))
         except ValueError as error:
             sync_batchnorm = str(error)
+    graph = None
+    if world_size > 1:
+        import tempfile
+
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        model = M.Net()
+        model.example_input_array = torch.zeros(2, M.FEATURES)
+        logger = TensorBoardLogger(tempfile.mkdtemp(), log_graph=True)
+        trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs(logger=logger))
+        try:
+            trainer.fit(model, M.loader(shuffle=False))
+        except ValueError as error:
+            graph = str(error)
     return {
+        "graph logging": graph,
         "sync batchnorm": sync_batchnorm,
         "stops": records,
         "timed validation": refused,

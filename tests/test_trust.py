@@ -162,6 +162,10 @@ def test_what_each_rank_would_do_its_own_way_is_refused_on_every_rank_before_any
         refused = result["sync batchnorm"]
         assert refused is not None and refused.startswith("Trainer(sync_batchnorm=True) is not supported")
         assert "`backbone.1`" in refused and "deferred_batch_norm=True" in refused
+        # and a logger's graph, which Lightning traces on rank 0 alone (only the first stage's layers run there)
+        refused = result["graph logging"]
+        assert refused is not None and refused.startswith("TensorBoardLogger(log_graph=True) is not supported")
+        assert "log_graph=False" in refused
 
 
 def test_the_modules_state_dict_during_a_pipelined_fit_refuses_and_the_ways_it_names_give_the_whole_model(
