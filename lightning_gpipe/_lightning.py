@@ -286,13 +286,14 @@ class PipelineSummary(Summary):
     """A model summary whose totals and backbone row cover every stage: each rank holds only its own stage."""
 
     def __init__(self, model: Any, max_depth: int, backbone: str, pipe: GPipe) -> None:
-        self._backbone = backbone
+        self._backbone, self._pipe = backbone, pipe
         local = list(pipe.parameters())
         full_total, full_trainable = _counts(pipe)
         self._extra_total = full_total - sum(p.numel() for p in local)
         self._extra_trainable = full_trainable - sum(p.numel() for p in local if p.requires_grad)
         self._backbone_total = full_total
-        super().__init__(model, max_depth)  # runs `example_input_array` through the model, if set, counting flops
+        with pipe.whole_batches():  # the layers' sizes and flops of the example batch, as one device sees it
+            super().__init__(model, max_depth)  # runs `example_input_array` through the model, if set
         # Each rank counted the flops of its own stage's layers only (and of the layers outside the backbone, which
         # every rank runs): the backbone's are summed over the stages.
         self._local_backbone_flops = sum(self._flops_under(f"{type(model).__name__}.{backbone}").values())
@@ -307,6 +308,27 @@ class PipelineSummary(Summary):
         if pipe.group is not None:
             dist.all_reduce(modes, group=pipe.group)
         self._every_stage_modes = (int(modes[0]), int(modes[1]))
+
+    def _get_summary_data(self) -> list[tuple[str, list[str]]]:
+        """The table's columns; with ``max_depth`` above 1, the rows inside the backbone are every stage's.
+
+        Each rank lists the layers of its own stage only (with their sizes and flops, which only that rank
+        measured): the rows are gathered from every stage, in layer order, in place of this rank's. Collective
+        over the pipeline; the model-summary callback asks every rank for the data.
+        """
+        arrays = super()._get_summary_data()
+        if self._pipe.group is None or self._max_depth == 1:
+            return arrays
+        inside = self._backbone + "."
+        rows = list(zip(*(values for _, values in arrays)))
+        name = [column for column, _ in arrays].index("Name")
+        parts = self._pipe.gather([row for row in rows if row[name].startswith(inside)], to_all=True) or []
+        merged = [row for row in rows if not row[name].startswith(inside)]
+        at = next((i + 1 for i, row in enumerate(merged) if row[name] == self._backbone), len(merged))
+        merged[at:at] = [row for part in parts for row in part]
+        columns = [list(values) for values in zip(*merged)]
+        columns[0] = [str(i) for i in range(len(merged))]  # the row numbers
+        return [(column, values) for (column, _), values in zip(arrays, columns)]
 
     def _flops_under(self, name: str) -> dict[Any, int]:
         """The flops the counter attributed to module ``name``, by operator (its submodules included)."""

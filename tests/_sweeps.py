@@ -133,8 +133,8 @@ _SUMMARIES: list[dict[str, Any]] = []
 
 
 def summary_totals(devices: int, pipeline: bool = True) -> list[dict[str, Any]]:
-    """What Lightning's model summary reports (it prints on rank 0 only); with an example input that differs per
-    rank, as an unseeded ``torch.randn`` one does."""
+    """What Lightning's model summary reports (it prints on rank 0 only), down to the backbone's layers; with an
+    example input that differs per rank, as an unseeded ``torch.randn`` one does."""
     import os
 
     from lightning.pytorch.callbacks import ModelSummary
@@ -160,7 +160,7 @@ def summary_totals(devices: int, pipeline: bool = True) -> list[dict[str, Any]]:
     trainer = L.Trainer(
         strategy=GPipeStrategy() if pipeline else "auto",
         devices=devices,
-        **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording()]),
+        **M.trainer_kwargs(max_steps=1, enable_model_summary=True, callbacks=[Recording(max_depth=2)]),
     )
     trainer.fit(model, M.loader())
     return list(_SUMMARIES)

@@ -102,10 +102,11 @@ def test_model_summary_counts_every_stage_not_only_the_first(pipeline_runs):
     assert summaries[0]["rows"]["Params"][row].strip() == f"{sum(p.numel() for p in model.backbone.parameters())}"
     assert pipeline_runs(2)[1]["summary"] == []
     # with an example input (one that differed per rank: every stage takes the first stage's), the flops, the
-    # sizes and the modules in train mode are the whole model's, as one device reports them
+    # sizes and the modules in train mode are the whole model's, as one device reports them, and so are the rows
+    # of the backbone's layers (max_depth=2), which each rank holds for its own stage only
     (one_device,) = _sweeps.summary_totals(1, pipeline=False)
     assert summaries[0]["flops"] == one_device["flops"] > 0 and summaries[0]["modes"] == one_device["modes"]
-    for column in ("FLOPs", "In sizes", "Out sizes"):
+    for column in ("Name", "Params", "Mode", "FLOPs", "In sizes", "Out sizes"):  # every layer's row, each stage's
         assert summaries[0]["rows"][column] == one_device["rows"][column], column
 
 

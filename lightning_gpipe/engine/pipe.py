@@ -285,6 +285,17 @@ class GPipe(nn.Module):
         """Micro-batches per batch (``M``)."""
         return self.runner.chunks
 
+    @contextmanager
+    def whole_batches(self) -> Iterator[None]:
+        """Within, a call runs its batch as one micro-batch: for a look at the model that must see the batch as one
+        device does (the model summary's sizes and flops), never for training, whose results depend on ``chunks``.
+        Every stage of the pipeline must enter it around the same call."""
+        chunks, self.runner.chunks = self.runner.chunks, 1
+        try:
+            yield
+        finally:
+            self.runner.chunks = chunks
+
     @property
     def seed(self) -> int:
         """The root of the random streams (with :attr:`calls`, what a resumed run needs to draw alike)."""
