@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
+from typing import Callable
 
 import _models as M
 import _sweeps
@@ -147,7 +149,7 @@ def stopped_fits(rank: int, world_size: int) -> dict:
     """One fit per hook of a rank-zero-only stop: steps, epochs and the whole trained backbone after each.
 
     One device with ``devices=1`` and no strategy when ``world_size`` is 1, else the pipeline, which then
-    also tries validation every 5 seconds (``"timed validation"``: the error, if refused).
+    also tries each of ``REFUSED`` (its error, if refused, under its name).
     """
     from lightning_gpipe import GPipeStrategy
 
@@ -175,57 +177,58 @@ def stopped_fits(rank: int, world_size: int) -> dict:
                 "weights": {k: v.detach().clone() for k, v in model.backbone.state_dict().items()},
             }
         )
-    refused = None
-    if world_size > 1:
-        trainer = L.Trainer(
-            strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs(val_check_interval="00:00:00:05")
-        )
-        try:
-            trainer.fit(M.Net(), M.loader(shuffle=False), M.loader(shuffle=False))
-        except ValueError as error:
-            refused = str(error)
-    batch_size_finder = None
-    if world_size > 1:
-        from lightning.pytorch.tuner import Tuner
+    refusals = {name: _refusal(attempt, world_size) for name, attempt in REFUSED.items()} if world_size > 1 else {}
+    return {"stops": records, "state at train end": vars(state), **refusals}
 
-        trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
-        try:
-            Tuner(trainer).scale_batch_size(WithBatchSize(), max_trials=2)
-        except ValueError as error:
-            batch_size_finder = str(error)
-    sync_batchnorm = None
-    if world_size > 1:
-        model = M.Net()
-        model.backbone.insert(1, torch.nn.BatchNorm1d(16))
-        trainer = L.Trainer(
-            strategy=GPipeStrategy(chunks=2), devices=world_size, sync_batchnorm=True, **M.trainer_kwargs()
-        )
-        try:
-            trainer.fit(model, M.loader(shuffle=False))
-        except ValueError as error:
-            sync_batchnorm = str(error)
-    graph = None
-    if world_size > 1:
-        import tempfile
 
-        from lightning.pytorch.loggers import TensorBoardLogger
+def _refusal(attempt: Callable[[int], None], world_size: int) -> str | None:
+    """The message of the ValueError that ``attempt(world_size)`` raised, or None if it ran."""
+    try:
+        attempt(world_size)
+    except ValueError as error:
+        return str(error)
+    return None
 
-        model = M.Net()
-        model.example_input_array = torch.zeros(2, M.FEATURES)
-        logger = TensorBoardLogger(tempfile.mkdtemp(), log_graph=True)
-        trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs(logger=logger))
-        try:
-            trainer.fit(model, M.loader(shuffle=False))
-        except ValueError as error:
-            graph = str(error)
-    return {
-        "graph logging": graph,
-        "sync batchnorm": sync_batchnorm,
-        "stops": records,
-        "timed validation": refused,
-        "state at train end": vars(state),
-        "batch size finder": batch_size_finder,
-    }
+
+def _pipelined(world_size: int, **settings) -> L.Trainer:
+    from lightning_gpipe import GPipeStrategy
+
+    return L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs(**settings))
+
+
+def _timed_validation(world_size: int) -> None:
+    trainer = _pipelined(world_size, val_check_interval="00:00:00:05")
+    trainer.fit(M.Net(), M.loader(shuffle=False), M.loader(shuffle=False))
+
+
+def _batch_size_finder(world_size: int) -> None:
+    from lightning.pytorch.tuner import Tuner
+
+    Tuner(_pipelined(world_size)).scale_batch_size(WithBatchSize(), max_trials=2)
+
+
+def _sync_batchnorm(world_size: int) -> None:
+    model = M.Net()
+    model.backbone.insert(1, torch.nn.BatchNorm1d(16))
+    _pipelined(world_size, sync_batchnorm=True).fit(model, M.loader(shuffle=False))
+
+
+def _graph_logging(world_size: int) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    model = M.Net()
+    model.example_input_array = torch.zeros(2, M.FEATURES)
+    logger = TensorBoardLogger(tempfile.mkdtemp(), log_graph=True)
+    _pipelined(world_size, logger=logger).fit(model, M.loader(shuffle=False))
+
+
+#: What each rank would do its own way, tried on the pipeline: each must be refused at setup (the message).
+REFUSED: dict[str, Callable[[int], None]] = {
+    "timed validation": _timed_validation,
+    "batch size finder": _batch_size_finder,
+    "sync batchnorm": _sync_batchnorm,
+    "graph logging": _graph_logging,
+}
 
 
 class WithBatchSize(M.Net):
