@@ -13,6 +13,12 @@ Rows, all on the same batch with an SGD step:
 - one process holding the whole model, with 1 thread and with K threads (no micro-batching);
 - Lightning's DDP with K processes, each on batch/K samples.
 
+Every variant runs under the same glibc malloc settings (``--malloc``): ``keep`` (the default) sets the
+thresholds that ``GPipeStrategy(reuse_freed_memory=True)``, the strategy's default, sets in a stage
+process, for every variant alike; ``glibc`` leaves glibc's own. (Before this option, the Trainer row set
+them for the rest of its process, so the variants after it in a round ran with them and those before it
+without: the order alternates by round, which favoured the engine in one round and the peers in the next.)
+
 Pipelines run one process per stage with one thread each. The variants run in one set of processes
 per layout, in alternating order over ``--rounds`` rounds. The table gives each variant's median step
 over the rounds, and its throughput against the engine's (``never``) as the median of the per-round
@@ -31,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_gpipe.engine.host_malloc import MMAP_THRESHOLD, TRIM_THRESHOLD, set_thresholds
 
 
 class Unpacked(nn.Module):
@@ -95,10 +103,19 @@ def single_step(workload: C.Workload, batch_size: int, device: torch.device) -> 
     return step
 
 
+def set_malloc(args: argparse.Namespace) -> None:
+    """``--malloc keep``: this process's malloc thresholds as a gpipe stage's, for every variant alike."""
+    if args.malloc == "keep":
+        refused = set_thresholds(MMAP_THRESHOLD, TRIM_THRESHOLD)
+        if refused:
+            raise SystemExit(f"--malloc keep: {refused}; run with --malloc glibc")
+
+
 def pipeline_worker(rank: int, world: int, args: argparse.Namespace, round_: int) -> list[dict]:
     """Every multi-process variant, in this round's order."""
     from lightning_gpipe import GPipeStrategy
 
+    set_malloc(args)
     device = C.device_for(rank, args.device)
     C.init_group(device)
     rows = []
@@ -123,7 +140,7 @@ def pipeline_worker(rank: int, world: int, args: argparse.Namespace, round_: int
                 "gpipe Trainer, checkpoint=except_last",
                 lambda: C.lightning_step_seconds(
                     workload,
-                    GPipeStrategy(balance=split, chunks=args.chunks),
+                    GPipeStrategy(balance=split, chunks=args.chunks, reuse_freed_memory=args.malloc == "keep"),
                     world,
                     args.batch_size,
                     device,
@@ -170,6 +187,7 @@ def pipeline_worker(rank: int, world: int, args: argparse.Namespace, round_: int
 
 
 def single_worker(rank: int, world: int, args: argparse.Namespace, threads: int) -> list[dict]:
+    set_malloc(args)
     device = C.device_for(rank, args.device)
     rows = []
     for workload in C.workloads(args.models, args):
@@ -199,6 +217,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--malloc",
+        choices=["keep", "glibc"],
+        default="keep",
+        help="glibc malloc thresholds for every variant: a gpipe stage's (keep freed memory) or glibc's own",
+    )
     parser.add_argument("--out", default=C.default_out("peers"))
     C.add_workload_arguments(parser)
     args = parser.parse_args()
@@ -219,7 +243,8 @@ def main() -> None:
     info = C.machine(args.device)
     print(
         f"\nPeers at K={args.stages}, M={args.chunks}, batch {args.batch_size}, {args.device}, median of "
-        f"{args.rounds} interleaved rounds of {args.steps} steps (spread: min-max of the rounds)\n"
+        f"{args.rounds} interleaved rounds of {args.steps} steps (spread: min-max of the rounds), "
+        f"malloc: {args.malloc}\n"
         f"{C.describe_machine(info)}"
     )
     summary = []

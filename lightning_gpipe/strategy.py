@@ -429,6 +429,12 @@ class GPipeStrategy(ParallelStrategy):
             split_backward=self.split_backward,
         )
         pipe.ties.prefix = self.backbone + "."
+        if pipe.started_from_rank_zero:
+            rank_zero_info(
+                f"The processes built different initial weights for `{self.backbone}` (a model built before "
+                "`L.seed_everything`, in a script the launcher runs once per process): every stage starts from "
+                "rank 0's, as DDP's replicas do. Seed before building the model to make runs repeatable."
+            )
         pipe.whole_state_hint = (
             "call `trainer.save_checkpoint(path)` on every rank (the file holds every stage), "
             "`trainer.strategy.lightning_module_state_dict()` on every rank (the whole model on rank 0), or "

@@ -18,12 +18,20 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ThroughputMonitor
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ThroughputMonitor,
+)
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 FEATURES, CLASSES, SAMPLES, BATCH = 6, 3, 32, 8
+
+#: this process's rank in the run (0 on one device): a scenario may build what an unseeded process would
+PROCESS_RANK = 0
 
 
 def _data(samples: int = SAMPLES, tokens: bool = False) -> TensorDataset:
@@ -292,6 +300,123 @@ def lr_finder() -> Scenario:
     return Scenario(TunedRate(), train=_loader(samples=160), before_fit=_find_rate)  # room for 30 steps in 2 epochs
 
 
+class Unseeded(Base):
+    """Weights drawn from each process's own stream, as a script that the launcher runs once per process and that
+    builds its model before seeding: DDP trains rank 0's (its constructor broadcasts them), and so must a pipeline.
+    One device draws rank 0's."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(100 + PROCESS_RANK)
+        super().__init__()
+        self.head = nn.Linear(CLASSES, CLASSES)  # outside the backbone: replicated on every stage
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+
+def unseeded_initial_weights() -> Scenario:
+    return Scenario(Unseeded())
+
+
+def loop_limits() -> Scenario:
+    """Lightning's loop settings: fewer batches, validation every other epoch, sanity batches before fit."""
+    settings = {"max_epochs": 3, "limit_train_batches": 3, "limit_val_batches": 1, "check_val_every_n_epoch": 2}
+    return Scenario(Base(), val=_loader(samples=16), trainer={**settings, "num_sanity_val_steps": 1})
+
+
+def overfit_batches() -> Scenario:
+    return Scenario(Base(), val=_loader(samples=16), trainer={"overfit_batches": 2})
+
+
+def fast_dev_run() -> Scenario:
+    return Scenario(Base(), val=_loader(samples=16), trainer={"fast_dev_run": 2})
+
+
+def accumulation_scheduler() -> Scenario:
+    return Scenario(Base(), callbacks=[GradientAccumulationScheduler(scheduling={0: 1, 1: 3})])
+
+
+def detect_anomaly() -> Scenario:
+    return Scenario(Base(), trainer={"detect_anomaly": True})
+
+
+class BuiltInConfigureModel(Base):
+    """The backbone made in Lightning's ``configure_model`` hook, which runs before the strategy's setup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = None  # type: ignore[assignment]
+
+    def configure_model(self) -> None:
+        if self.backbone is None:
+            self.backbone = _backbone()
+
+
+def backbone_in_configure_model() -> Scenario:
+    return Scenario(BuiltInConfigureModel())
+
+
+class Toggled(Base):
+    """Two optimizers stepped in turn, each with ``toggle_optimizer`` (a GAN's loop): the other's layers frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        for optimizer in self.optimizers():
+            self.toggle_optimizer(optimizer)
+            optimizer.zero_grad()
+            self.manual_backward(self.loss(batch))
+            optimizer.step()
+            self.untoggle_optimizer(optimizer)
+
+    def configure_optimizers(self) -> Any:
+        early = [p for n, p in self.named_parameters() if n.split(".")[1] in ("0", "1")]
+        late = [p for n, p in self.named_parameters() if n.split(".")[1] not in ("0", "1")]
+        return torch.optim.SGD(early, lr=0.1), torch.optim.SGD(late, lr=0.1)
+
+
+def toggled_optimizers() -> Scenario:
+    return Scenario(Toggled())
+
+
+class OwnClipping(Base):
+    """``configure_gradient_clipping`` overridden: clips by norm through ``self.clip_gradients`` from epoch 1 on."""
+
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        if self.current_epoch >= 1:
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+def clipping_hook() -> Scenario:
+    return Scenario(OwnClipping())
+
+
+class Collection(Base):
+    """A torchmetrics ``MetricCollection`` logged with ``self.log_dict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores = torchmetrics.MetricCollection(
+            {
+                "acc": torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES),
+                "f1": torchmetrics.F1Score(task="multiclass", num_classes=CLASSES, average="macro"),
+            },
+            prefix="val_",
+        )
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.scores.update(self.backbone(x), y)
+        self.log_dict(self.scores, on_epoch=True)
+
+
+def metric_collection() -> Scenario:
+    return Scenario(Collection(), val=_loader(samples=16))
+
+
 class Evaluated(Base):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self.loss(batch))
@@ -335,6 +460,16 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         lr_finder,
         throughput_monitor,
         same_trainer_after_fit,
+        unseeded_initial_weights,
+        loop_limits,
+        overfit_batches,
+        fast_dev_run,
+        accumulation_scheduler,
+        detect_anomaly,
+        backbone_in_configure_model,
+        toggled_optimizers,
+        clipping_hook,
+        metric_collection,
     )
 }
 
@@ -355,7 +490,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     scenario = SCENARIOS[name]()
     with tempfile.TemporaryDirectory() as logs:
-        settings = {"max_epochs": 2, **scenario.trainer}
+        settings = {"max_epochs": 2, "num_sanity_val_steps": 0, **scenario.trainer}
         trainer = L.Trainer(
             accelerator="cpu",
             devices=devices,
@@ -364,7 +499,6 @@ def run(name: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            num_sanity_val_steps=0,
             callbacks=scenario.callbacks,
             **settings,
         )
@@ -392,6 +526,8 @@ def one_device(rank: int, world_size: int, names: list[str]) -> dict[str, dict[s
 def pipelined(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
     from lightning_gpipe import GPipeStrategy
 
+    global PROCESS_RANK
+    PROCESS_RANK = rank
     torch.set_num_threads(1)
     return {name: run(name, GPipeStrategy(chunks=2), world_size) for name in names}
 

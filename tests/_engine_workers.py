@@ -28,8 +28,8 @@ class FromDict(nn.Module):
         return batch["x"] * batch["scale"]
 
 
-def model() -> nn.Sequential:
-    torch.manual_seed(0)
+def model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
     return nn.Sequential(
         FromDict(), nn.Linear(4, 8), nn.Tanh(), Split(), Join(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)
     )
@@ -59,7 +59,9 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
     from lightning_gpipe import GPipe
 
     dist.init_process_group("gloo")
-    pipe = GPipe(model(), balance, chunks=chunks, checkpoint="except_last")
+    # each process draws its own weights, as an unseeded script run once per process does: the pipe trains
+    # rank 0's (the reference's), as DDP's replicas would
+    pipe = GPipe(model(seed=rank), balance, chunks=chunks, checkpoint="except_last")
     x, y = data()
     loss = F.cross_entropy(pipe({"x": x, "scale": 2.0}), y)
     loss.backward()
@@ -70,6 +72,7 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
         iteration = str(error)
     result = {
         "iteration": iteration,
+        "started_from_rank_zero": pipe.started_from_rank_zero,
         "loss": loss.item(),
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         "input_grad": x.grad.clone(),

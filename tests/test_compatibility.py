@@ -57,6 +57,16 @@ def _check(name: str, runs: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "embedding_first",
         "backbone_called_twice",
         "tuples_across_stages",
+        "unseeded_initial_weights",
+        "loop_limits",
+        "overfit_batches",
+        "fast_dev_run",
+        "accumulation_scheduler",
+        "detect_anomaly",
+        "backbone_in_configure_model",
+        "toggled_optimizers",
+        "clipping_hook",
+        "metric_collection",
     ],
 )
 def test_feature_trains_as_on_one_device(name, runs):

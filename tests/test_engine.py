@@ -10,13 +10,14 @@ from lightning_gpipe import GPipe
 from lightning_gpipe.launch import run_ok
 
 
-def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightning():
+def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightning_from_rank_zeros_weights():
     ref_loss, ref_grads, ref_input_grad = reference()
     results = run_ok(plain_pipeline, 2, [4, 4], 3, timeout=120)
     grads = {**results[0]["grads"], **results[1]["grads"]}
     assert set(grads) == set(ref_grads)  # each process holds its own stage's layers, under their own names
     assert set(results[0]["grads"]).isdisjoint(results[1]["grads"])
     for rank in range(2):
+        assert results[rank]["started_from_rank_zero"]  # rank 1 built other weights and took rank 0's
         assert results[rank]["loss"] == pytest.approx(ref_loss, abs=1e-6)
         assert not results[rank]["lightning_imported"]
         # the gradient of the pipeline's input reaches every stage (a layer before the pipe needs it)

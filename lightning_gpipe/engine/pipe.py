@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_gpipe.engine import distributed, microbatch
 from lightning_gpipe.engine.channels import Channels
 from lightning_gpipe.engine.failure import FailureBoard, PipelineError
+from lightning_gpipe.engine.initial_state import start_from_rank_zero
 from lightning_gpipe.engine.lockstep import stray_message_error
 from lightning_gpipe.engine.partition import balance_by_params, layer_span, stage_bounds, validate_balance
 from lightning_gpipe.engine.replicas import GradientSync
@@ -141,6 +142,10 @@ class GPipe(nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         start, stop = stage_bounds(self.balance)[self.stage]
         self.num_layers = len(module)
+        #: whether the processes built different initial weights and every stage took rank 0's (as DDP does)
+        self.started_from_rank_zero = world > 1 and start_from_rank_zero(
+            module, self.device, board.raise_if_failed if board is not None else None
+        )
         ties = keep_stage(self, module, self.balance, self.stage, self.device)
         self._full = [module]  # in a list, so that it is not a submodule: only the own stage is registered
         self._own_board = board is None
