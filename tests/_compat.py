@@ -10,11 +10,13 @@ from __future__ import annotations
 import csv
 import glob
 import os
+import random
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -25,6 +27,7 @@ from lightning.pytorch.callbacks import (
     ThroughputMonitor,
 )
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -417,6 +420,61 @@ def metric_collection() -> Scenario:
     return Scenario(Collection(), val=_loader(samples=16))
 
 
+class DrawOnRankZero(L.Callback):
+    """Picks samples to show on rank zero only (a common logging callback): draws from torch, Python and NumPy."""
+
+    @rank_zero_only
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        random.random()
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        torch.randint(0, SAMPLES, (4,))
+        np.random.rand()
+
+
+class RandomOutsideBackbone(Base):
+    """Dropout before the backbone and in a head, both drawn from the global generators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Dropout(0.2)
+        self.head = nn.Sequential(nn.Dropout(0.5), nn.Linear(CLASSES, CLASSES))
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        noise = 1.0 + 0.1 * torch.randn(()).item() + 0.1 * random.random()  # augmentation in the step
+        return F.cross_entropy(self.head(self.backbone(self.stem(x) * noise)), y)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.is_global_zero:  # the module's own hook, after every callback's
+            torch.rand(3)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.is_global_zero:
+            torch.rand(3)
+
+
+class Augmented(TensorDataset):
+    """Noise drawn from torch's global generator in ``__getitem__``, in the main process (a random transform)."""
+
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]:
+        x, y = super().__getitem__(index)
+        return x + 0.1 * torch.randn(x.shape), y
+
+
+def rank_zero_random_draws() -> Scenario:
+    data = _data()
+    train = DataLoader(Augmented(*data.tensors), batch_size=BATCH)
+    return Scenario(
+        RandomOutsideBackbone(),
+        train=train,
+        val=_loader(samples=16),
+        callbacks=[DrawOnRankZero()],
+        trainer={"max_epochs": 3},
+    )
+
+
 class Evaluated(Base):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self.loss(batch))
@@ -470,6 +528,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         toggled_optimizers,
         clipping_hook,
         metric_collection,
+        rank_zero_random_draws,
     )
 }
 

@@ -68,17 +68,19 @@ def failing_stage_with_on_exception_checkpoint(rank: int, world_size: int, path:
 
 
 class NoisyDigits(Dataset):
-    """Adds noise drawn from Python's `random`, never seeded: each process draws other numbers."""
+    """Adds noise from a generator of its own, never seeded (Python seeds it from the OS): each process draws other
+    numbers. The strategy makes the stages' global random states one, but cannot see a generator like this."""
 
     def __init__(self) -> None:
         self.data = M.dataset()
+        self.random = random.Random()
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, index: int):
         x, y = self.data[index]
-        return x + random.random(), y
+        return x + self.random.random(), y
 
 
 class PerRankStream(IterableDataset):
@@ -93,7 +95,7 @@ class PerRankStream(IterableDataset):
 def different_batches(rank: int, world_size: int, cause: str) -> None:
     """The stages get different batches: unseeded randomness, a per-rank stream, or loaders of unequal lengths."""
     L.seed_everything(0, verbose=False)
-    random.seed(rank)  # what an unseeded process would get: another stream on each rank
+    random.seed(rank)  # another global stream on each rank: harmless, the stages take the first stage's
     if cause == "unseeded random":
         data = DataLoader(NoisyDigits(), batch_size=8)
     elif cause == "per-rank iterable":

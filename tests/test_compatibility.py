@@ -67,6 +67,7 @@ def _check(name: str, runs: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "toggled_optimizers",
         "clipping_hook",
         "metric_collection",
+        "rank_zero_random_draws",
     ],
 )
 def test_feature_trains_as_on_one_device(name, runs):

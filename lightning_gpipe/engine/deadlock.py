@@ -12,7 +12,7 @@ collective over a group. A wait in a ``torch.distributed`` call that is not this
 the user's) is read from the thread's stack instead. The failure board's poller publishes a wait
 that has lasted ``after`` seconds to the job's store, reads the other ranks' and looks for a cycle:
 every rank in it has waited that long for the next one, so none of them can move. Ranks in the same
-collective (the same operation over the same group) do not wait for each other. A rank that is
+collective (the same operation over the same group, for the same purpose) do not wait for each other. A rank that is
 running, or blocked in anything else, publishes nothing and ends every cycle, so a slow rank is
 never taken for a deadlocked one.
 """
@@ -88,7 +88,10 @@ def collective_wait(operation: str, group: Optional[dist.ProcessGroup], doing: s
     """The arguments of :func:`blocked` for ``operation`` (``"all_reduce"``, say) over ``group``, done for ``doing``."""
     ranks = _ranks(group)
     me = dist.get_rank()
-    return f"{doing} ({operation} over ranks {list(ranks)})", tuple(r for r in ranks if r != me), f"{operation} {ranks}"
+    # The purpose is part of the collective's identity: two ranks in an all_gather over the same group, one to
+    # gather the stages' state and one to decide whether to stop, are in different calls that wait for each other.
+    same = f"{operation} {ranks} for {doing}"
+    return f"{doing} ({operation} over ranks {list(ranks)})", tuple(r for r in ranks if r != me), same
 
 
 def _foreign(frame: Any) -> Optional[tuple[Any, str, tuple[int, ...], str]]:

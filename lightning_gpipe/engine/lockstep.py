@@ -24,7 +24,10 @@ DIFFERENT_BATCH_CAUSES = (
     "`lightning.seed_everything(seed, workers=True)`, or seed each sample from its index); an IterableDataset "
     "that yields different data on each rank (shard it by data-parallel replica, "
     "`trainer.strategy.distributed_sampler_kwargs`, never by global rank); DataLoaders of different lengths, or "
-    "a sampler or DataLoader built differently, on different ranks."
+    "a sampler or DataLoader built differently, on different ranks; a random transform in the Dataset after code "
+    "that drew random numbers on some ranks only where the strategy cannot make the stages' random states one "
+    "again before the next batches are loaded (the LightningModule's own `on_train_batch_end` or "
+    "`on_train_epoch_end`, any `on_train_epoch_start`): draw there on every rank, or move the draw into a callback."
 )
 
 
