@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import (
     EarlyStopping,
     GradientAccumulationScheduler,
     LearningRateMonitor,
+    ModelCheckpoint,
     ThroughputMonitor,
 )
 from lightning.pytorch.loggers import CSVLogger
@@ -498,6 +499,30 @@ def same_trainer_after_fit() -> Scenario:
     return Scenario(Evaluated(), val=_loader(samples=16), after_fit=_validate_test_predict_and_fit_on)
 
 
+def _evaluate_the_best(
+    trainer: L.Trainer, module: L.LightningModule, train: DataLoader, val: Optional[DataLoader]
+) -> None:
+    """``test``, ``validate`` and ``predict`` with ``ckpt_path="best"``: the monitored checkpoint's weights."""
+    module.record["best"] = os.path.basename(trainer.checkpoint_callback.best_model_path)  # type: ignore[union-attr]
+    module.record["test"] = trainer.test(module, val, ckpt_path="best", verbose=False)
+    module.record["validate"] = trainer.validate(module, val, ckpt_path="best", verbose=False)
+    module.record["predict"] = [p.detach().clone() for p in trainer.predict(module, val, ckpt_path="best") or []]
+
+
+def best_checkpoint() -> Scenario:
+    """``ModelCheckpoint`` keeps the epoch of the lowest validation loss; evaluated from its file. The labels are
+    random, so the validation loss rises once the model overfits: the best is an early epoch, not the weights
+    ``fit`` ends with, and evaluating "best" must load the file (the test checks that it is not the last)."""
+    keep = ModelCheckpoint(monitor="val_loss", save_top_k=1, mode="min")
+    return Scenario(
+        Evaluated(),
+        val=_loader(samples=16),
+        callbacks=[keep],
+        trainer={"enable_checkpointing": True, "max_epochs": 4},
+        after_fit=_evaluate_the_best,
+    )
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (
@@ -529,6 +554,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         clipping_hook,
         metric_collection,
         rank_zero_random_draws,
+        best_checkpoint,
     )
 }
 
@@ -549,13 +575,13 @@ def run(name: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     scenario = SCENARIOS[name]()
     with tempfile.TemporaryDirectory() as logs:
-        settings = {"max_epochs": 2, "num_sanity_val_steps": 0, **scenario.trainer}
+        settings = {"max_epochs": 2, "num_sanity_val_steps": 0, "enable_checkpointing": False, **scenario.trainer}
         trainer = L.Trainer(
             accelerator="cpu",
             devices=devices,
             strategy=strategy,
+            default_root_dir=logs,
             logger=CSVLogger(logs, name="run") if scenario.logger else False,
-            enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
             callbacks=scenario.callbacks,

@@ -160,3 +160,17 @@ def test_metrics_over_two_replicas_of_two_stages_equal_ddp_over_two_processes():
         assert got["record"]["all_gather_shapes"] == expected["record"]["all_gather_shapes"] == [(2,)] * 2
         for key, value in expected["metrics"].items():
             torch.testing.assert_close(got["metrics"][key], value, atol=1e-6, rtol=0, msg=key)
+
+
+def test_test_validate_and_predict_with_ckpt_path_best_load_the_one_device_checkpoint(runs):
+    want, ranks = _check("best_checkpoint", runs)  # the weights of the best epoch, loaded on every rank
+    assert want["record"]["best"] != f"epoch={want['epochs'] - 1}-step={want['steps']}.ckpt"  # not the last epoch
+    for got in ranks:
+        assert got["record"]["best"] == want["record"]["best"]  # the same epoch chosen
+        for call in ("validate", "test"):
+            assert got["record"][call][0].keys() == want["record"][call][0].keys()
+            for key, value in want["record"][call][0].items():
+                assert got["record"][call][0][key] == pytest.approx(value, abs=1e-6), (call, key)
+        assert len(got["record"]["predict"]) == len(want["record"]["predict"]) == 2
+        for batch, expected in zip(got["record"]["predict"], want["record"]["predict"]):
+            torch.testing.assert_close(batch, expected, atol=1e-6, rtol=0)
