@@ -323,6 +323,14 @@ def unseeded_initial_weights() -> Scenario:
     return Scenario(Unseeded())
 
 
+def double_precision() -> Scenario:
+    return Scenario(Base(), trainer={"precision": "64-true"})
+
+
+def bf16_true() -> Scenario:
+    return Scenario(Base(), trainer={"precision": "bf16-true"})
+
+
 def loop_limits() -> Scenario:
     """Lightning's loop settings: fewer batches, validation every other epoch, sanity batches before fit."""
     settings = {"max_epochs": 3, "limit_train_batches": 3, "limit_val_batches": 1, "check_val_every_n_epoch": 2}
@@ -555,6 +563,8 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         metric_collection,
         rank_zero_random_draws,
         best_checkpoint,
+        double_precision,
+        bf16_true,
     )
 }
 
