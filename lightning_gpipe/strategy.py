@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, NoReturn, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -64,9 +64,15 @@ from lightning_gpipe.checkpointing.files import (
 )
 from lightning_gpipe.checkpointing.resumable import resumable
 from lightning_gpipe.engine import distributed, microbatch, tied
+from lightning_gpipe.engine.agreement import DIFFERENT_SETTINGS_CAUSES, digest, first_difference, optimizer_settings
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, per_micro_batch_norms
 from lightning_gpipe.engine.checkpoint import check_checkpoint_mode
-from lightning_gpipe.engine.failure import FailureBoard, destroy_process_groups_at_exit, exit_without_finalizers
+from lightning_gpipe.engine.failure import (
+    FailureBoard,
+    PipelineError,
+    destroy_process_groups_at_exit,
+    exit_without_finalizers,
+)
 from lightning_gpipe.engine.gradients import clip_grad_norm_
 from lightning_gpipe.engine.host_malloc import keep_freed_memory
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
@@ -631,7 +637,7 @@ class GPipeStrategy(ParallelStrategy):
 
         The same gather carries each rank's random-state digest, so that these points (the ends of a training
         batch, an epoch and a validation, the start of training) also make the pipeline's random state one
-        (:meth:`_one_random_state`) before the loader draws the next batches' augmentations.
+        (:meth:`_agree_before_step`) before the loader draws the next batches' augmentations.
         """
         if not self._active():
             return should_stop
@@ -642,25 +648,55 @@ class GPipeStrategy(ParallelStrategy):
             self._take_first_stages_state(votes[self.pipe.ranks, 1], state)
         return bool(votes[:, 0].any())
 
-    def _one_random_state(self) -> None:
-        """Give every stage of the pipeline the first stage's random state where the stages' states differ.
+    def _agree_before_step(self) -> None:
+        """Before each ``training_step``: make the stages' random states one, and check their optimizer settings.
 
-        Called last before each ``training_step`` (the strategy's ``on_train_batch_start`` comes after the
-        callbacks' and the module's), and with every stop decision. A call that draws on some ranks only, such
-        as a ``@rank_zero_only`` callback that picks samples to log, leaves the stages' generators apart; what
-        draws outside the backbone (dropout in a head or a stem, augmentation in ``training_step`` or in the
-        Dataset) would then differ per stage, and the stages would train apart without a word (measured: 3.7e-2
-        off one device after 8 steps, dropout in a head). The stages compare digests of their states (torch's,
-        Python's, NumPy's: one gather of an integer) and, where they differ, take the first stage's: rank 0's
-        under a rank-zero-only callback, the state one device holds.
+        Called last before the step (the strategy's ``on_train_batch_start`` comes after the callbacks' and the
+        module's). One gather over the pipeline carries two digests per stage:
+
+        - the random state (torch's, Python's, NumPy's). A call that draws on some ranks only, such as a
+          ``@rank_zero_only`` callback that picks samples to log, leaves the stages' generators apart; what
+          draws outside the backbone (dropout in a head or a stem, augmentation in ``training_step`` or in the
+          Dataset) would then differ per stage, and the stages would train apart without a word (measured:
+          3.7e-2 off one device after 8 steps, dropout in a head). Where the digests differ, every stage takes
+          the first stage's state: rank 0's under a rank-zero-only callback, the state one device holds. (The
+          stop decisions carry the same digest, see :meth:`_any_stops`.)
+        - the optimizers' settings and the global step (:mod:`lightning_gpipe.engine.agreement`). Where they
+          differ, no stage's can be called right, so every stage raises, naming the first difference.
         """
-        pipe = self.pipe
-        if pipe is None or pipe.group is None or not self._active():
+        pipe, trainer = self.pipe, self._trainer()
+        if pipe is None or pipe.group is None or trainer is None or not self._active():
             return
         state = get_rng_state(self.root_device, everything=True)
-        mine = torch.tensor(rng_digest(state), dtype=torch.int64, device=self.root_device)
-        digests = distributed.all_gather(mine, pipe.group, self._watch("a comparison of the stages' random states"))
-        self._take_first_stages_state(digests, state)
+        settings = optimizer_settings([_unwrap(o) for o in self.optimizers], trainer.global_step)
+        mine = torch.tensor([rng_digest(state), digest(settings)], dtype=torch.int64, device=self.root_device)
+        watch = self._watch("a comparison of the stages' random states and optimizer settings")
+        digests = distributed.all_gather(mine, pipe.group, watch)
+        if bool((digests[:, 1] != digests[0, 1]).any()):
+            self._refuse_different_settings(settings)
+        self._take_first_stages_state(digests[:, 0], state)
+
+    def _epoch(self) -> int:
+        trainer = self._trainer()
+        return trainer.current_epoch if trainer is not None else 0
+
+    def _refuse_different_settings(self, settings: dict[str, Any]) -> NoReturn:
+        """Every stage of the pipeline raises alike: the stages' optimizer settings differ (collective)."""
+        pipe = self.pipe
+        assert pipe is not None
+        every = pipe.gather(settings)
+        assert every is not None
+        for stage, theirs in enumerate(every[1:], start=1):
+            found = first_difference(every[0], theirs)
+            if found is not None:
+                what, first, other = found
+                raise PipelineError(
+                    f"The pipeline's stages disagree on their optimizers before training batch {self._batch_idx} of "
+                    f"epoch {self._epoch()}: "
+                    f"{what} is {first!r} on stage 0 (rank {pipe.ranks[0]}) but {other!r} on stage {stage} "
+                    f"(rank {pipe.ranks[stage]}). {DIFFERENT_SETTINGS_CAUSES}"
+                )
+        raise PipelineError("The pipeline's stages disagree on their optimizers' settings (their digests differ).")
 
     def _take_first_stages_state(self, digests: Tensor, state: Any) -> None:
         """Collective over the pipeline where ``digests`` (one per stage, the same on every stage) differ."""
@@ -914,7 +950,7 @@ class GPipeStrategy(ParallelStrategy):
         for loader in self._loaders:  # resumed mid-epoch: go on as if never stopped
             if hasattr(loader, "restore_random_state"):
                 loader.restore_random_state()
-        self._one_random_state()
+        self._agree_before_step()
 
     @override
     def on_validation_start(self) -> None:

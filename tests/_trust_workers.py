@@ -105,6 +105,32 @@ def different_batches(rank: int, world_size: int, cause: str) -> None:
     _fit(M.Net(), world_size, data=data, max_steps=-1, max_epochs=2)
 
 
+class RateBySize(M.Net):
+    """A learning rate scaled by the model's size, counted over ``self.parameters()``: this rank's stage in a fit."""
+
+    def configure_optimizers(self):
+        size = sum(p.numel() for p in self.parameters())
+        return torch.optim.SGD(self.parameters(), lr=1.0 / size**0.5)
+
+
+class HalveRateOnRankZero(Callback):
+    """Halves the learning rate after the first epoch, on rank zero only."""
+
+    @rank_zero_only
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] /= 2
+
+
+def different_learning_rates(rank: int, world_size: int, cause: str) -> None:
+    """The stages' learning rates differ from the start, or after the first epoch (of 5 batches)."""
+    L.seed_everything(0, verbose=False)
+    if cause == "rate by the model's size":
+        _fit(RateBySize(), world_size)
+    else:
+        _fit(M.Net(), world_size, [HalveRateOnRankZero()], max_steps=-1, max_epochs=2)
+
+
 def fp16_fit(rank: int, world_size: int) -> None:
     """``16-mixed`` with a GradScaler, which the strategy refuses at setup on every rank."""
     from lightning.pytorch.plugins.precision import MixedPrecision

@@ -104,6 +104,20 @@ def test_stages_with_different_batches_stop_at_the_first_difference_naming_the_s
     assert "stage 1 (rank 1) reported" in outcome.errors[0]
 
 
+@pytest.mark.parametrize("cause, epoch", [("rate by the model's size", 0), ("rank-zero callback", 1)])
+def test_stages_whose_learning_rates_differ_stop_before_the_next_step_naming_the_setting(cause, epoch):
+    # each stage steps its own layers with its own optimizer: different rates went unnoticed and trained apart
+    outcome = run_processes(W.different_learning_rates, 2, cause, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    for error in outcome.errors:
+        assert error.startswith(
+            "PipelineError: The pipeline's stages disagree on their optimizers before training batch 0 of "
+            f"epoch {epoch}: SGD (optimizer 0), param group 0, lr is "
+        ), error
+        assert "on stage 0 (rank 0) but" in error and "on stage 1 (rank 1)" in error
+        assert "ReduceLROnPlateau" in error and "@rank_zero_only" in error
+
+
 def test_16_mixed_is_refused_at_setup_pointing_to_bf16_mixed():
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     trainer = L.Trainer(strategy=GPipeStrategy(), devices=1, plugins=[plugin], **M.trainer_kwargs(max_steps=1))

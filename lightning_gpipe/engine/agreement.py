@@ -1,0 +1,79 @@
+"""What the stages of a pipeline must hold alike before a step besides the batch: their optimizers' settings.
+
+Each stage steps its own layers with its own copy of the user's optimizers, which one device holds once.
+So every stage must step with the same settings: the same learning rate, momentum, betas and weight decay
+in each param group, at the same global step. Nothing in the pipeline's messages would show it if they
+did not. A scheduler or callback that changes them from a value that differs per stage does that:
+``ReduceLROnPlateau`` monitoring a statistic over ``self.parameters()`` (which holds one stage's layers),
+or a learning rate set under ``@rank_zero_only``. The stages then train with different rates, silently.
+Comparing a digest of the settings (one integer per stage, in a gather the strategy makes anyway) finds
+it before the next step; :func:`first_difference` says where.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["DIFFERENT_SETTINGS_CAUSES", "digest", "first_difference", "optimizer_settings"]
+
+#: Why the stages' optimizer settings can differ, and what to do instead.
+DIFFERENT_SETTINGS_CAUSES = (
+    "Each stage steps its own layers with its own copy of the optimizers, so every stage must hold the same "
+    "settings, as one device's single optimizer does. Usual causes: `configure_optimizers`, a learning-rate "
+    "scheduler or a callback that set them from a value that differs per stage (a count or statistic over "
+    "`self.parameters()`, which holds only this rank's stage during a fit, such as a rate scaled by the model's "
+    "size or `ReduceLROnPlateau` monitoring a weight norm; use a logged loss or metric, which every stage shares, "
+    "or count the model before `fit`), or code under `@rank_zero_only` or `if trainer.is_global_zero:` that "
+    "changes a learning rate: change it on every rank."
+)
+
+
+def optimizer_settings(optimizers: Sequence[torch.optim.Optimizer], step: int) -> dict[str, Any]:
+    """The global step and every param group's settings (all but its parameters), per optimizer, in order."""
+    return {
+        "global step": step,
+        "optimizers": [
+            (type(o).__name__, [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups])
+            for o in optimizers
+        ],
+    }
+
+
+def digest(settings: Any) -> int:
+    """A 63-bit digest of picklable ``settings``: equal settings give equal numbers on every process."""
+    return int.from_bytes(hashlib.blake2b(pickle.dumps(settings), digest_size=8).digest(), "little") >> 1
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+    return bool(a != b)
+
+
+def first_difference(a: dict[str, Any], b: dict[str, Any]) -> Optional[tuple[str, Any, Any]]:
+    """Where two :func:`optimizer_settings` first differ: (what, ``a``'s value, ``b``'s), or ``None``.
+
+    >>> sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> before = optimizer_settings([sgd], 3)
+    >>> sgd.param_groups[0]["lr"] = 0.05
+    >>> first_difference(before, optimizer_settings([sgd], 3))
+    ('SGD (optimizer 0), param group 0, lr', 0.1, 0.05)
+    """
+    if a["global step"] != b["global step"]:
+        return "the global step", a["global step"], b["global step"]
+    if len(a["optimizers"]) != len(b["optimizers"]):
+        return "the number of optimizers", len(a["optimizers"]), len(b["optimizers"])
+    for index, ((name, groups), (other, others)) in enumerate(zip(a["optimizers"], b["optimizers"])):
+        where = f"{name} (optimizer {index})"
+        if name != other or len(groups) != len(others):
+            return f"{where}'s type and number of param groups", (name, len(groups)), (other, len(others))
+        for number, (group, theirs) in enumerate(zip(groups, others)):
+            for key in sorted(set(group) | set(theirs)):
+                if _differs(group.get(key), theirs.get(key)):
+                    return f"{where}, param group {number}, {key}", group.get(key), theirs.get(key)
+    return None
