@@ -155,8 +155,7 @@ class TiedNet(Net):
     """:class:`Net` with the tied backbone.
 
     ``manual``: manual optimization with two backward passes per step (the halves of the batch) and
-    norm clipping. ``optimizer="by_name"``: SGD whose learning rate depends on which parameter names
-    this process sees, which steps the copies of a tie differently when they are split over stages.
+    norm clipping.
     """
 
     def __init__(self, optimizer: str = "sgd", manual: bool = False, same_layer_twice: bool = False):
@@ -182,10 +181,3 @@ class TiedNet(Net):
         self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
         optimizer.step()
         optimizer.zero_grad()
-
-    def configure_optimizers(self):
-        if self.optimizer_name != "by_name":
-            return super().configure_optimizers()
-        self.optimized = [n for n, _ in self.named_parameters()]
-        lr = 0.2 if "backbone.6.weight" in self.optimized else 0.1
-        return torch.optim.SGD(self.parameters(), lr=lr)

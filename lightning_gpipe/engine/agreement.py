@@ -33,12 +33,26 @@ DIFFERENT_SETTINGS_CAUSES = (
 )
 
 
+def _plain(value: Any) -> Any:
+    """``value`` as numbers, strings, tensors and tuples of them; anything else (a function a custom optimizer
+    keeps in its group, say) by its type alone, whose ``repr`` would hold a per-process memory address."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return f"<{type(value).__name__}>"
+
+
 def optimizer_settings(optimizers: Sequence[torch.optim.Optimizer], step: int) -> dict[str, Any]:
     """The global step and every param group's settings (all but its parameters), per optimizer, in order."""
     return {
         "global step": step,
         "optimizers": [
-            (type(o).__name__, [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups])
+            (type(o).__name__, [{k: _plain(v) for k, v in g.items() if k != "params"} for g in o.param_groups])
             for o in optimizers
         ],
     }
