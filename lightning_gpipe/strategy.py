@@ -83,7 +83,7 @@ from lightning_gpipe.engine.partition import (
     split_table,
     validate_balance,
 )
-from lightning_gpipe.engine.pipe import DEADLOCK_MARGIN, GPipe
+from lightning_gpipe.engine.pipe import DEADLOCK_MARGIN, GPipe, refuse_lazy_layers
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, rng_digest, set_rng_state
 from lightning_gpipe.engine.stage_copy import StageCopy
@@ -409,6 +409,7 @@ class GPipeStrategy(ParallelStrategy):
                 "Sequential (each runs only its own layers), so it would be silently dropped. Instead, "
                 f"{compile_layers}."
             )
+        refuse_lazy_layers(sequential)  # before the profile, which would meet them first
         layout = self.layout
         if layout.pipe_size > len(sequential):
             raise ValueError(

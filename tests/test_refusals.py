@@ -33,6 +33,21 @@ def test_torch_compile_of_the_sequential_is_refused_and_names_compiling_the_laye
         _fit(model)
 
 
+def test_lazy_layers_are_refused_naming_the_layer_and_a_sample_forward_before_fit():
+    # a lazy layer failed inside the profile with torch's own error (K=2: on every rank); DDP refuses them too
+    model = M.Net()
+    model.backbone[2] = torch.nn.LazyLinear(24)
+    refused = r"Layer 2 \(LazyLinear\) of the backbone has uninitialized parameters.*forward"
+    with pytest.raises(ValueError, match=refused):
+        _fit(model)
+    with pytest.raises(ValueError, match=r"Layer 0 \(LazyLinear\) of the backbone has uninitialized parameters"):
+        from lightning_gpipe import GPipe
+
+        GPipe(torch.nn.Sequential(torch.nn.LazyLinear(3)))
+    model.backbone(torch.zeros(2, M.FEATURES))  # the fix: one forward gives the layer its shape
+    _fit(model)
+
+
 @pytest.mark.parametrize("select", ["index", "slice"])
 def test_selecting_a_layer_another_stage_holds_stops_every_rank_naming_the_layer_its_stage_and_the_fix(select):
     outcome = run_processes(W.indexed_groups, 2, select, timeout=120)

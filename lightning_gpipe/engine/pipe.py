@@ -50,6 +50,22 @@ def live_pipes() -> list[GPipe]:
     return list(_live)
 
 
+def refuse_lazy_layers(module: nn.Sequential) -> None:
+    """Raise if a layer still has uninitialized (lazy) parameters: naming it, and how to give them their shapes.
+
+    A pipeline profiles, splits and places layers, and compares the processes' weights, before any forward;
+    a lazy layer would get its shape on one stage's first micro-batch only. DDP refuses them too.
+    """
+    for index, layer in enumerate(module):
+        if any(nn.parameter.is_lazy(t) for t in [*layer.parameters(), *layer.buffers()]):
+            raise ValueError(
+                f"Layer {index} ({type(layer).__name__}) of the backbone has uninitialized parameters (a lazy module), "
+                "which the pipeline cannot split, place or compare before they have a shape. Run one forward of a "
+                "sample batch through the model before `fit` (or before building GPipe), as DistributedDataParallel "
+                "also requires, or give the layer its input size."
+            )
+
+
 class GPipe(nn.Module):
     """Run ``module`` as a ``K``-stage pipeline over ``K`` processes, this process holding one stage.
 
@@ -128,6 +144,7 @@ class GPipe(nn.Module):
             raise TypeError(f"`split_backward` must be True or False, got {split_backward!r}.")
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
+        refuse_lazy_layers(module)
         rank = dist.get_rank() if distributed.is_distributed() else 0
         world = dist.get_world_size() if distributed.is_distributed() else 1
         layout = layout or PipeLayout(world, world)
