@@ -152,3 +152,17 @@ def test_the_watchdog_check_of_a_pipe_still_being_built_finds_nothing_instead_of
     half_built = GPipe.__new__(GPipe)
     nn.Module.__init__(half_built)
     assert half_built.idle_stray(0.0) is None
+
+
+def test_the_weights_digest_tells_apart_one_ulp_a_shape_and_a_dtype_and_equals_on_equal_weights():
+    from lightning_gpipe.engine.initial_state import weights_digest
+
+    weights = [torch.randn(3, 4), torch.tensor(2.0), torch.zeros(0), torch.ones(3, dtype=torch.bfloat16)]
+    same = [w.clone() for w in weights]
+    assert weights_digest(same) == weights_digest(weights)
+    nudged = [w.clone() for w in weights]
+    nudged[0][1, 2] = torch.nextafter(nudged[0][1, 2], torch.tensor(float("inf")))
+    assert weights_digest(nudged) != weights_digest(weights)
+    assert weights_digest([torch.ones(2, 3)]) != weights_digest([torch.ones(3, 2)])
+    assert weights_digest([torch.ones(2)]) != weights_digest([torch.ones(2, dtype=torch.float64)])
+    assert weights_digest([torch.ones(4, 4).t()]) == weights_digest([torch.ones(4, 4).t().contiguous()])
