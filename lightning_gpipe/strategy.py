@@ -85,7 +85,7 @@ from lightning_gpipe.engine.partition import (
 )
 from lightning_gpipe.engine.pipe import DEADLOCK_MARGIN, GPipe, refuse_lazy_layers
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
-from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, rng_digest, set_rng_state
+from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
@@ -643,7 +643,7 @@ class GPipeStrategy(ParallelStrategy):
         if not self._active():
             return should_stop
         state = get_rng_state(self.root_device, everything=True)
-        mine = torch.tensor([int(should_stop), rng_digest(state)], dtype=torch.int64, device=self.root_device)
+        mine = torch.tensor([int(should_stop), digest(state)], dtype=torch.int64, device=self.root_device)
         votes = distributed.all_gather(mine, watch=self._watch("a decision of every rank (stop or go on)"))
         if self.pipe is not None and self.pipe.group is not None:
             self._take_first_stages_state(votes[self.pipe.ranks, 1], state)
@@ -670,18 +670,14 @@ class GPipeStrategy(ParallelStrategy):
             return
         state = get_rng_state(self.root_device, everything=True)
         settings = optimizer_settings([_unwrap(o) for o in self.optimizers], trainer.global_step)
-        mine = torch.tensor([rng_digest(state), digest(settings)], dtype=torch.int64, device=self.root_device)
+        mine = torch.tensor([digest(state), digest(settings)], dtype=torch.int64, device=self.root_device)
         watch = self._watch("a comparison of the stages' random states and optimizer settings")
         digests = distributed.all_gather(mine, pipe.group, watch)
         if bool((digests[:, 1] != digests[0, 1]).any()):
-            self._refuse_different_settings(settings)
+            self._refuse_different_settings(settings, trainer.current_epoch)
         self._take_first_stages_state(digests[:, 0], state)
 
-    def _epoch(self) -> int:
-        trainer = self._trainer()
-        return trainer.current_epoch if trainer is not None else 0
-
-    def _refuse_different_settings(self, settings: dict[str, Any]) -> NoReturn:
+    def _refuse_different_settings(self, settings: dict[str, Any], epoch: int) -> NoReturn:
         """Every stage of the pipeline raises alike: the stages' optimizer settings differ (collective)."""
         pipe = self.pipe
         assert pipe is not None
@@ -693,7 +689,7 @@ class GPipeStrategy(ParallelStrategy):
                 what, first, other = found
                 raise PipelineError(
                     f"The pipeline's stages disagree on their optimizers before training batch {self._batch_idx} of "
-                    f"epoch {self._epoch()}: "
+                    f"epoch {epoch}: "
                     f"{what} is {first!r} on stage 0 (rank {pipe.ranks[0]}) but {other!r} on stage {stage} "
                     f"(rank {pipe.ranks[stage]}). {DIFFERENT_SETTINGS_CAUSES}"
                 )

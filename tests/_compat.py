@@ -369,12 +369,9 @@ def backbone_in_configure_model() -> Scenario:
     return Scenario(BuiltInConfigureModel())
 
 
-class Toggled(Base):
-    """Two optimizers stepped in turn, each with ``toggle_optimizer`` (a GAN's loop): the other's layers frozen."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
+class Toggled(TwoOptimizers):
+    """The same two optimizers stepped in turn, each with ``toggle_optimizer`` (a GAN's loop): the other's layers
+    frozen meanwhile."""
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         for optimizer in self.optimizers():
@@ -383,11 +380,6 @@ class Toggled(Base):
             self.manual_backward(self.loss(batch))
             optimizer.step()
             self.untoggle_optimizer(optimizer)
-
-    def configure_optimizers(self) -> Any:
-        early = [p for n, p in self.named_parameters() if n.split(".")[1] in ("0", "1")]
-        late = [p for n, p in self.named_parameters() if n.split(".")[1] not in ("0", "1")]
-        return torch.optim.SGD(early, lr=0.1), torch.optim.SGD(late, lr=0.1)
 
 
 def toggled_optimizers() -> Scenario:

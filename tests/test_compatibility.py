@@ -43,6 +43,17 @@ def _check(name: str, runs: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return want, ranks
 
 
+def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """The records of ``validate``, ``test`` (logged values) and ``predict`` (two batches) equal one device's."""
+    for call in ("validate", "test"):
+        assert got[call][0].keys() == want[call][0].keys()
+        for key, value in want[call][0].items():
+            assert got[call][0][key] == pytest.approx(value, abs=1e-6), (call, key)
+    assert len(got["predict"]) == len(want["predict"]) == 2
+    for batch, expected in zip(got["predict"], want["predict"]):
+        torch.testing.assert_close(batch, expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -111,13 +122,7 @@ def test_validate_test_predict_and_a_second_fit_on_the_same_trainer_after_fit_ma
     want, ranks = _check("same_trainer_after_fit", runs)  # the weights after the second fit, its steps and epoch
     assert want["epochs"] == 3  # the second fit ran its extra epoch
     for got in ranks:
-        for call in ("validate", "test"):
-            assert got["record"][call][0].keys() == want["record"][call][0].keys()
-            for key, value in want["record"][call][0].items():
-                assert got["record"][call][0][key] == pytest.approx(value, abs=1e-6), (call, key)
-        assert len(got["record"]["predict"]) == len(want["record"]["predict"]) == 2
-        for batch, expected in zip(got["record"]["predict"], want["record"]["predict"]):
-            torch.testing.assert_close(batch, expected, atol=1e-6, rtol=0)
+        _same_evaluations(got["record"], want["record"])
 
 
 def test_early_stopping_stops_every_stage_at_the_one_device_epoch(runs):
@@ -168,13 +173,7 @@ def test_test_validate_and_predict_with_ckpt_path_best_load_the_one_device_check
     assert want["record"]["best"] != f"epoch={want['epochs'] - 1}-step={want['steps']}.ckpt"  # not the last epoch
     for got in ranks:
         assert got["record"]["best"] == want["record"]["best"]  # the same epoch chosen
-        for call in ("validate", "test"):
-            assert got["record"][call][0].keys() == want["record"][call][0].keys()
-            for key, value in want["record"][call][0].items():
-                assert got["record"][call][0][key] == pytest.approx(value, abs=1e-6), (call, key)
-        assert len(got["record"]["predict"]) == len(want["record"]["predict"]) == 2
-        for batch, expected in zip(got["record"]["predict"], want["record"]["predict"]):
-            torch.testing.assert_close(batch, expected, atol=1e-6, rtol=0)
+        _same_evaluations(got["record"], want["record"])
 
 
 def test_bf16_true_tracks_the_one_device_run_within_a_bfloat16_rounding(runs):

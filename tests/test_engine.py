@@ -154,8 +154,9 @@ def test_the_watchdog_check_of_a_pipe_still_being_built_finds_nothing_instead_of
     assert half_built.idle_stray(0.0) is None
 
 
-def test_the_weights_digest_tells_apart_one_ulp_a_shape_and_a_dtype_and_equals_on_equal_weights():
-    from lightning_gpipe.engine.initial_state import weights_digest
+def test_the_fingerprint_of_weights_tells_apart_one_ulp_a_shape_and_a_dtype_and_equals_on_equal_weights():
+    # what start_from_rank_zero compares over the processes
+    from lightning_gpipe.engine.microbatch import fingerprint as weights_digest
 
     weights = [torch.randn(3, 4), torch.tensor(2.0), torch.zeros(0), torch.ones(3, dtype=torch.bfloat16)]
     same = [w.clone() for w in weights]

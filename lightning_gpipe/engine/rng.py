@@ -8,8 +8,6 @@ back afterwards. The same key in the recompute gives the same mask, so nothing n
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +26,6 @@ __all__ = [
     "isolated_rng",
     "layer_seed",
     "mix64",
-    "rng_digest",
     "seed_layer",
     "set_rng_state",
 ]
@@ -86,20 +83,6 @@ def set_rng_state(state: RandomState, device: torch.device) -> None:
         random.setstate(state["python"])
     if "numpy" in state and np is not None:
         np.random.set_state(state["numpy"])
-
-
-def rng_digest(state: RandomState) -> int:
-    """A 63-bit digest of a :func:`get_rng_state` state, equal on every process that holds the same state.
-
-    What lets processes compare their generators with one small gather instead of sending the states
-    (torch's CPU state alone is 5 KB).
-    """
-    digest = hashlib.blake2b(digest_size=8)
-    for key in sorted(state):
-        value = state[key]
-        digest.update(key.encode())
-        digest.update(value.cpu().numpy().tobytes() if isinstance(value, torch.Tensor) else pickle.dumps(value))
-    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 @contextmanager
