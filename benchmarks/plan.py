@@ -13,7 +13,16 @@ are measured. Last, per workload and K, the planner's choice over the whole grid
 CPU) is measured too and set beside the fastest measured cell.
 
 It also prints GPipe's Table 2 for AmoebaNet-D as the planner predicts it (K = 2, 4, 8; M = 1, 4, 32;
-speed-up over K = 2, M = 1) from a profile taken here: a prediction, not a measurement.
+speed-up over K = 2, M = 1) from a profile taken here: a prediction, not a measurement. On a GPU, the paper's
+model and input (a profile of one GPU predicts the pipelines of 2 to 8):
+
+    python benchmarks/plan.py --device cuda --table2-only --table2-filters 256 --table2-stem imagenet \
+        --table2-image 224 --table2-classes 1000 --table2-profile t2.pt
+
+``--table2-profile`` keeps the profile (or reads it back when the file exists), so the table can be predicted
+again elsewhere, over another link (``--table2-link GBPS MICROSECONDS``, repeatable), without the device.
+With ``--device cuda`` the grid runs on one GPU per process (K=1 on a machine with one GPU), where the
+measured peak is CUDA's ``max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from lightning_gpipe.balancing.plan import (
     measure_link,
     micro_batch_sizes,
     plan,
+    profile_for_plan,
     simulate,
 )
 from lightning_gpipe.balancing.plan.search import by_time
@@ -59,28 +69,34 @@ def main_job_workload() -> C.Workload:
     )
 
 
-def shared_profile(workload: C.Workload, batch_size: int, sizes: list[int], repeats: int) -> CostModel:
-    """Rank 0 profiles, every rank gets the same cost model."""
-    from lightning_gpipe.balancing.plan import profile_for_plan
-
+def shared_profile(
+    workload: C.Workload, batch_size: int, sizes: list[int], repeats: int, device: torch.device
+) -> CostModel:
+    """Rank 0 profiles on its device, every rank gets the same cost model."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         torch.manual_seed(0)
-        x, _ = workload.batch(batch_size, torch.device("cpu"))
-        box[0] = profile_for_plan(workload.build(), x, sizes, repeats=repeats)
+        x, _ = workload.batch(batch_size, device)
+        box[0] = profile_for_plan(workload.build(), x, sizes, device, repeats=repeats)
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
 def measure(
-    workload: C.Workload, chunks: int, mode: str, batch_size: int, split: list[int], warmup: int, steps: int
+    workload: C.Workload,
+    chunks: int,
+    mode: str,
+    batch_size: int,
+    split: list[int],
+    warmup: int,
+    steps: int,
+    device: torch.device,
 ) -> dict[str, Any]:
     """The fastest step's seconds (slowest rank), and every stage's peak bytes: of its tensors, and of its
-    resident set above the process's before the pipe.
+    resident set (CUDA's allocated bytes on a GPU) above the process's before the pipe.
 
     The fastest of ``steps``, not the median: on a shared machine other work only ever slows a step down.
     """
-    device = torch.device("cpu")
     MEM.malloc_for("memory")
     MEM._release()
     before = MEM.resident(device)
@@ -118,20 +134,21 @@ def tensor_peak(step: Any, pipe: GPipe, optimizer: torch.optim.Optimizer) -> int
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    C.init_group(torch.device("cpu"))
-    link = measure_link(1 - rank) if world == 2 else LinkModel()
+    device = C.device_for(rank, args.device)
+    C.init_group(device)
+    link = measure_link(1 - rank, device=device) if world == 2 else LinkModel()
     cells: list[dict[str, Any]] = []
     for workload in workloads(args):
         batch = args.main_batch if workload.name == "main" else args.batch_size
         MEM.malloc_for("time")  # the profile times the layers as the steps are timed
-        model = shared_profile(workload, batch, micro_batch_sizes(batch, args.chunks), args.repeats)
-        measure(workload, 1, "never", batch, by_time(model, world, batch), 1, 1)  # once-per-process runtime state
+        model = shared_profile(workload, batch, micro_batch_sizes(batch, args.chunks), args.repeats, device)
+        measure(workload, 1, "never", batch, by_time(model, world, batch), 1, 1, device)  # once-per-process state
         grid: dict[tuple[int, str], dict[str, Any]] = {}
 
         def cell(chunks: int, mode: str) -> dict[str, Any]:
             split = by_time(model, world, batch / chunks)
             predicted = simulate(model.step_costs(split, batch, chunks), mode, link)
-            measured = measure(workload, chunks, mode, batch, split, args.warmup, args.steps)
+            measured = measure(workload, chunks, mode, batch, split, args.warmup, args.steps, device)
             row = {
                 "model": workload.name,
                 "describe": workload.describe,
@@ -180,29 +197,83 @@ def workloads(args: argparse.Namespace) -> list[C.Workload]:
     return chosen + ([main_job_workload()] if "main" in args.models else [])
 
 
+# torchgpipe's AmoebaNet-D (18, 256) speed benchmark, tuned for 8 P40 GPUs: (K, M) -> (batch, checkpoint mode)
+TORCHGPIPE_TABLE2 = {
+    (2, 1): (96, "always"),
+    (2, 4): (256, "except_last"),
+    (2, 32): (1280, "except_last"),
+    (4, 1): (160, "always"),
+    (4, 4): (360, "except_last"),
+    (4, 32): (1152, "except_last"),
+    (8, 1): (196, "always"),
+    (8, 4): (480, "except_last"),
+    (8, 32): (1280, "except_last"),
+}
+
+
+def table_two_cells(args: argparse.Namespace) -> dict[tuple[int, int], tuple[int, str]]:
+    """Each cell's batch and checkpoint mode: one batch for all (``fixed``), or torchgpipe's per cell."""
+    if args.table2_settings == "torchgpipe":
+        return TORCHGPIPE_TABLE2
+    return {(k, m): (args.table2_batch, "except_last") for k in (2, 4, 8) for m in (1, 4, 32)}
+
+
 def table_two(args: argparse.Namespace) -> dict[str, Any]:
-    """GPipe's Table 2 for AmoebaNet-D, predicted from a profile here: speed-up over K=2, M=1."""
-    from lightning_gpipe.balancing.plan import profile_for_plan
+    """GPipe's Table 2 for AmoebaNet-D, predicted from one device's profile: throughput over K=2, M=1.
 
-    torch.set_num_threads(1)
-    workload = C.amoebanet_workload(args.table2_layers, args.table2_filters, args.image)
-    batch = args.table2_batch
-    torch.manual_seed(0)
-    x, _ = workload.batch(batch, torch.device("cpu"))
-    model = profile_for_plan(workload.build(), x, micro_batch_sizes(batch, [1, 4, 32]), repeats=2)
-    speed: dict[str, float] = {}
-    for stages in (2, 4, 8):
-        for chunks in (1, 4, 32):
+    The profile is taken on ``--device`` (one thread on the CPU), or read from ``--table2-profile`` where that
+    file exists (and written there after a fresh profile), so a GPU's profile can be replayed anywhere. Each
+    link of ``--table2-link`` gives one more table; the first is an ideal link.
+    """
+    cells = table_two_cells(args)
+    path = args.table2_profile
+    if path and os.path.exists(path):
+        saved = torch.load(path, weights_only=False)
+        model, describe = saved["model"], saved["describe"]
+    else:
+        device = C.device_for(0, args.device)
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        backbone = amoebanetd(args.table2_classes, args.table2_layers, args.table2_filters, stem=args.table2_stem)
+        largest = max(batch // chunks for (_, chunks), (batch, _) in cells.items())
+        x = torch.randn(largest, 3, args.table2_image, args.table2_image, device=device)
+        sizes = sorted({batch // chunks for (_, chunks), (batch, _) in cells.items()})
+        model = profile_for_plan(backbone, x, sizes, device, repeats=2)
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU, one thread"
+        describe = (
+            f"AmoebaNet-D ({args.table2_layers}, {args.table2_filters}), {args.table2_stem} stem, "
+            f"{args.table2_image}x{args.table2_image} images, {args.table2_classes} classes; profiled on {where}"
+        )
+        if path:
+            torch.save({"model": model, "describe": describe}, path)
+    links = [LinkModel()] + [LinkModel(gbps * 1e9, us * 1e-6) for gbps, us in args.table2_link]
+    tables = []
+    for link in links:
+        speed: dict[str, float] = {}
+        steps: dict[str, float] = {}
+        for (stages, chunks), (batch, mode) in cells.items():
             split = by_time(model, stages, batch / chunks)
-            speed[f"K={stages} M={chunks}"] = simulate(model.step_costs(split, batch, chunks), "except_last").step
-    base = speed["K=2 M=1"]
-    return {
-        "describe": f"{workload.describe}, a batch of {batch}, split by time, except_last, an ideal link",
-        "speedup": {k: base / v for k, v in speed.items()},
-    }
+            step = simulate(model.step_costs(split, batch, chunks), mode, link).step
+            steps[f"K={stages} M={chunks}"], speed[f"K={stages} M={chunks}"] = step, batch / step
+        base = speed["K=2 M=1"]
+        tables.append(
+            {
+                "link": "ideal" if link == LinkModel() else f"{link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us",
+                "step_s": steps,
+                "samples_per_s": speed,
+                "speedup": {k: v / base for k, v in speed.items()},
+            }
+        )
+    settings = {f"K={k} M={m}": {"batch": b, "checkpoint": c} for (k, m), (b, c) in cells.items()}
+    how = (
+        "torchgpipe's batch and checkpoint mode per cell"
+        if args.table2_settings == "torchgpipe"
+        else (f"a batch of {args.table2_batch}, except_last")
+    )
+    return {"describe": f"{describe}; {how}; split by time", "settings": settings, "tables": tables}
 
 
-def report(cells: list[dict[str, Any]], t2: dict[str, Any]) -> None:
+def report(cells: list[dict[str, Any]]) -> None:
     rows, time_errors, tensor_errors, resident_errors = [], [], [], []
     for c in cells:
         if "predicted_step_s" not in c:
@@ -241,9 +312,13 @@ def report(cells: list[dict[str, Any]], t2: dict[str, Any]) -> None:
     ]  # fmt: skip
     print("\nThe automatic choice (no memory cap), measured, against the fastest measured cell:\n")
     print(C.markdown(["model", "K", "choice", "ms", "fastest measured", "ms", "throughput ratio"], auto_rows))
-    print(f"\nGPipe's Table 2, predicted ({t2['describe']}): speed-up over K=2, M=1\n")
-    t2_rows = [[f"K={k}", *[f"{t2['speedup'][f'K={k} M={m}']:.2f}x" for m in (1, 4, 32)]] for k in (2, 4, 8)]
-    print(C.markdown(["", "M=1", "M=4", "M=32"], t2_rows))
+
+
+def report_table_two(t2: dict[str, Any]) -> None:
+    for table in t2["tables"]:
+        print(f"\nGPipe's Table 2, predicted ({t2['describe']}; link: {table['link']}): throughput over K=2, M=1\n")
+        rows = [[f"K={k}", *[f"{table['speedup'][f'K={k} M={m}']:.2f}x" for m in (1, 4, 32)]] for k in (2, 4, 8)]
+        print(C.markdown(["", "M=1", "M=4", "M=32"], rows))
 
 
 def main() -> None:
@@ -257,22 +332,43 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="profiling sweeps per micro-batch size")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per process")
     parser.add_argument("--table2-layers", type=int, default=18)
     parser.add_argument("--table2-filters", type=int, default=64)
-    parser.add_argument("--table2-batch", type=int, default=128)
-    parser.add_argument("--skip-table2", action="store_true")
+    parser.add_argument("--table2-stem", choices=["small", "imagenet"], default="small")
+    parser.add_argument("--table2-image", type=int, default=32)
+    parser.add_argument("--table2-classes", type=int, default=C.CLASSES)
+    parser.add_argument(
+        "--table2-batch", type=int, default=128, help="every cell's batch, with --table2-settings fixed"
+    )
+    parser.add_argument(
+        "--table2-settings", choices=["fixed", "torchgpipe"], default="fixed",
+        help="torchgpipe: that benchmark's batch (96 to 1280) and checkpoint mode per cell, for 224x224 images",
+    )  # fmt: skip
+    parser.add_argument("--table2-profile", help="a file to keep the Table 2 profile in, or to read it from")
+    parser.add_argument(
+        "--table2-link", type=float, nargs=2, action="append", default=[], metavar=("GBPS", "MICROSECONDS"),
+        help="one more Table 2 over a link of this bandwidth (GB/s) and latency (us); repeatable",
+    )  # fmt: skip
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--skip-table2", action="store_true")
+    group.add_argument("--table2-only", action="store_true", help="only Table 2: no grid is measured")
     parser.add_argument("--out", default=C.default_out("plan"))
     C.add_workload_arguments(parser)
     args = parser.parse_args()
+    if args.device == "cuda" and not args.table2_only and max(args.stages) > torch.cuda.device_count():
+        parser.error(f"--stages {max(args.stages)} needs as many GPUs; this machine has {torch.cuda.device_count()}")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 * 1024))  # as memory.py: freed blocks leave the RSS
     cells: list[dict[str, Any]] = []
-    for stages in args.stages:
+    for stages in [] if args.table2_only else args.stages:
         cells += C.launch(worker, stages, args)[0]
-    t2 = {"describe": "skipped", "speedup": {f"K={k} M={m}": float("nan") for k in (2, 4, 8) for m in (1, 4, 32)}}
+    t2 = {"describe": "skipped", "tables": []}
     if not args.skip_table2:
         t2 = table_two(args)
-    report(cells, t2)
-    C.write_json(args.out, {"machine": C.machine("cpu"), "args": vars(args), "cells": cells, "table2": t2})
+    if cells:
+        report(cells)
+    report_table_two(t2)
+    C.write_json(args.out, {"machine": C.machine(args.device), "args": vars(args), "cells": cells, "table2": t2})
 
 
 if __name__ == "__main__":

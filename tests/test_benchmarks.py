@@ -167,3 +167,34 @@ def test_messages_benchmark_times_the_engine_and_a_plain_send_recv_loop_per_size
         assert row["plain_s"] > 0 and row["engine_s"] > 0
         assert math.isclose(row["overhead_s"], row["engine_s"] - row["plain_s"])
     assert "plain send/recv us" in output
+
+
+def test_plan_benchmark_predicts_and_measures_each_cell_and_replays_table_2_from_a_kept_profile(tmp_path):
+    tiny = [*TINY, "--stages", "1", "2", "--chunks", "1", "2", "--modes", "never", "always", "--repeats", "1"]
+    table2 = ["--table2-layers", "6", "--table2-filters", "8", "--table2-image", "8", "--table2-batch", "32"]
+    kept = str(tmp_path / "table2.pt")
+    output, result = _run(tmp_path, "plan", *tiny, "--models", "amoebanet", *table2, "--table2-profile", kept)
+    cells = [c for c in result["cells"] if "predicted_step_s" in c]
+    assert {(c["stages"], c["chunks"], c["checkpoint"]) for c in cells} == {
+        (k, m, mode) for k in (1, 2) for m in (1, 2) for mode in ("never", "always")
+    }
+    for c in cells:
+        assert c["predicted_step_s"] > 0 and c["measured_step_s"] > 0 and len(c["measured_tensor_peaks"]) == c["stages"]
+    assert [c["stages"] for c in result["cells"] if c.get("auto")] == [1, 2]
+    first = result["table2"]["tables"][0]
+    assert first["link"] == "ideal" and first["speedup"]["K=2 M=1"] == 1.0 and len(first["speedup"]) == 9
+    assert "step time within 15%" in output and "GPipe's Table 2, predicted" in output
+    # the kept profile is read back, not taken again: the same table over a slower link as well
+    _, again = _run(tmp_path, "plan", "--table2-only", *table2, "--table2-profile", kept, "--table2-link", "1", "100")
+    ideal, slow = again["table2"]["tables"]
+    assert again["cells"] == [] and ideal["step_s"] == first["step_s"]
+    assert slow["link"] == "1 GB/s, 100 us" and all(slow["step_s"][k] >= ideal["step_s"][k] for k in ideal["step_s"])
+
+
+def test_profile_sum_benchmark_sets_the_summed_layer_times_beside_a_whole_pass(tmp_path):
+    sizes = TINY[: TINY.index("--batch-size")]  # the workloads' sizes, no step counts
+    output, result = _run(tmp_path, "profile_sum", *sizes, "--batches", "4", "--passes", "1")
+    assert [c["batch"] for c in result["cells"]] == [4, 4]
+    for c in result["cells"]:
+        assert all(c[k] > 0 for k in ("whole_s", "host_s", "per_layer_s", "per_layer_hooked_s", "profile_s"))
+    assert "profile / whole" in output

@@ -101,3 +101,23 @@ def test_two_gpus_over_nccl_match_one_gpu():
     reference = _sweeps.reference(_sweeps.Config("two gpus", trainer=GPU))
     for key, value in reference["weights"].items():
         torch.testing.assert_close(got["weights"][key], value, atol=1e-6, rtol=0)
+
+
+def test_the_fingerprint_on_a_gpu_tells_apart_one_ulp_an_order_a_shape_and_a_dtype_across_its_pieces():
+    # the batch check and the initial-weights check on a GPU: sums computed there, in pieces of 2^22 elements
+    from lightning_gpipe.engine.microbatch import fingerprint
+
+    device = torch.device("cuda")
+    big = torch.randn(2 * 2**22 + 5, device=device)  # three pieces, the last one short
+    weights = [big, torch.tensor(2.0, device=device), torch.ones(3, dtype=torch.bfloat16, device=device)]
+    assert fingerprint([w.clone() for w in weights]) == fingerprint(weights)
+    nudged = big.clone()
+    nudged[2**22 + 7] = torch.nextafter(nudged[2**22 + 7], torch.tensor(float("inf"), device=device))
+    assert fingerprint([nudged, *weights[1:]]) != fingerprint(weights)
+    swapped = big.clone()  # the same values, two of them moved between pieces: only the weighted sum sees it
+    swapped[[3, 2 * 2**22 + 1]] = big[[2 * 2**22 + 1, 3]]
+    assert fingerprint([swapped, *weights[1:]]) != fingerprint(weights)
+    assert fingerprint([torch.ones(2, 3, device=device)]) != fingerprint([torch.ones(3, 2, device=device)])
+    assert fingerprint([torch.ones(2, device=device)]) != fingerprint(
+        [torch.ones(2, device=device, dtype=torch.float64)]
+    )

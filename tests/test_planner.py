@@ -322,3 +322,29 @@ def test_the_predicted_peak_of_a_one_stage_step_is_the_tensor_bytes_a_real_step_
     costs.measured_working = False  # the guess from saved activations alone
     guessed = simulate(costs.step_costs([len(model)], batch_size=64, chunks=1), "never").peak_memory
     assert guessed < measured / 2
+
+
+class SlowSpell(nn.Module):
+    """A layer whose forward sleeps long on the calls in ``slow`` (a shared machine's busy spell) and briefly else."""
+
+    def __init__(self, slow: set[int]) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.calls, self.slow = 0, slow
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        time.sleep(0.05 if self.calls in self.slow else 0.002)
+        return x * self.w
+
+
+def test_the_plan_profile_takes_the_sizes_in_turns_and_keeps_each_layers_fastest_turn():
+    # Sizes 2 and 4 take turns, one timed sweep each per round after a first round that also counts bytes. A busy
+    # spell (the calls 3 to 6: size 4's first round and both sizes' second) slows some rounds only.
+    layer = SlowSpell(slow={3, 4, 5, 6})
+    x = torch.randn(4, 3)
+    costs = profile_for_plan(nn.Sequential(layer, nn.Tanh()), x, [2, 4], repeats=3)
+    assert layer.calls == 2 * (2 + 1 + 1)  # per size: the counting and the timed sweep, then two more timed sweeps
+    for size in (2, 4):
+        assert costs.layers(size)[0].forward < 0.02  # the quiet round, not the spell's 0.05 s
+        assert costs.layers(size)[0].activation_bytes > 0  # the bytes from the counting sweep are kept

@@ -11,6 +11,7 @@ temporaries can be a stage's peak when checkpointing leaves few activations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterable
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.balancing.plan.costs import CostModel, UpdateCosts
-from lightning_gpipe.balancing.profiling import profile_layers
+from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers
 from lightning_gpipe.engine import microbatch
 
 __all__ = ["measure_updates", "micro_batch_sizes", "profile_for_plan"]
@@ -47,16 +48,32 @@ def profile_for_plan(
     optimizer_states: float = 2.0,
     context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> CostModel:
-    """Profile ``module`` on the first ``size`` samples of ``sample`` (the backbone's input) for each of ``sizes``."""
+    """Profile ``module`` on the first ``size`` samples of ``sample`` (the backbone's input) for each of ``sizes``.
+
+    The sizes take turns: ``repeats`` rounds of one timed sweep of each size (the first round also counts the
+    bytes), and each layer keeps its fastest round at each size. On a shared machine other work only ever slows
+    a sweep down, and a slow spell now costs each size one round rather than one size every sweep: on CPU-2,
+    all sweeps of one size in a row had come out 1.3-1.5x slow in some runs, which put the plan's cells of that
+    size 25-98% off the measured steps. (A step is measured the same way, as the fastest of several.)
+    """
     available = microbatch.batch_size(sample)
     wanted = sorted({min(int(s), available) for s in sizes})
-    profiles = []
-    for size in wanted:
-        part = microbatch.map_tensors(partial(_first, size), sample)
-        profiles.append(
-            profile_layers(module, part, device, repeats=repeats, optimizer_states=optimizer_states, context=context)
-        )
+    parts = [microbatch.map_tensors(partial(_first, size), sample) for size in wanted]
+    options: dict[str, Any] = {"optimizer_states": optimizer_states, "context": context}
+    profiles = [profile_layers(module, part, device, repeats=1, **options) for part in parts]
+    for _ in range(repeats - 1):
+        again = [profile_layers(module, part, device, repeats=1, count=False, **options) for part in parts]
+        profiles = [_fastest(first, second) for first, second in zip(profiles, again)]
     return CostModel(profiles, update=measure_updates(module, device, optimizer_states=optimizer_states))
+
+
+def _fastest(kept: LayerCosts, new: LayerCosts) -> LayerCosts:
+    """``kept``'s bytes with each layer's faster forward and backward of the two profiles."""
+    forward = tuple(map(min, kept.forward, new.forward))
+    backward = tuple(map(min, kept.backward, new.backward))
+    return dataclasses.replace(
+        kept, forward=forward, backward=backward, time=[f + b for f, b in zip(forward, backward)]
+    )
 
 
 def measure_updates(
