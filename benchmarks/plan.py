@@ -235,9 +235,8 @@ def table_two(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(1)
         torch.manual_seed(0)
         backbone = amoebanetd(args.table2_classes, args.table2_layers, args.table2_filters, stem=args.table2_stem)
-        largest = max(batch // chunks for (_, chunks), (batch, _) in cells.items())
-        x = torch.randn(largest, 3, args.table2_image, args.table2_image, device=device)
-        sizes = sorted({batch // chunks for (_, chunks), (batch, _) in cells.items()})
+        sizes = sorted({s for (_, chunks), (batch, _) in cells.items() for s in micro_batch_sizes(batch, [chunks])})
+        x = torch.randn(sizes[-1], 3, args.table2_image, args.table2_image, device=device)
         model = profile_for_plan(backbone, x, sizes, device, repeats=2)
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU, one thread"
         describe = (
@@ -265,11 +264,9 @@ def table_two(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     settings = {f"K={k} M={m}": {"batch": b, "checkpoint": c} for (k, m), (b, c) in cells.items()}
-    how = (
-        "torchgpipe's batch and checkpoint mode per cell"
-        if args.table2_settings == "torchgpipe"
-        else (f"a batch of {args.table2_batch}, except_last")
-    )
+    how = "torchgpipe's batch and checkpoint mode per cell"
+    if args.table2_settings == "fixed":
+        how = f"a batch of {args.table2_batch}, except_last"
     return {"describe": f"{describe}; {how}; split by time", "settings": settings, "tables": tables}
 
 

@@ -18,9 +18,10 @@ size, one process, no engine (the median of several passes each):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any
 
 import _common as C
 import torch
@@ -30,7 +31,9 @@ from lightning_gpipe.balancing.profiling import profile_layers
 from lightning_gpipe.engine.microbatch import map_tensors, tensors
 
 
-def whole_pass(workload: C.Workload, model: nn.Sequential, x: Any, y: Any, device: torch.device, passes: int):
+def whole_pass(
+    workload: C.Workload, model: nn.Sequential, x: Any, y: Any, device: torch.device, passes: int
+) -> tuple[float, float]:
     """Median seconds of a whole forward and backward, and of its host part (until the wait)."""
     totals, hosts = [], []
     for i in range(passes + 2):  # two warm-ups
@@ -53,17 +56,14 @@ def layer_by_layer(model: nn.Sequential, x: Any, device: torch.device, passes: i
         total, h = 0.0, x
         for layer in model:
             h = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), h)
-            hook: Optional[Any] = None
-            if hooked:
-                hook = torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: (t.untyped_storage().data_ptr(), t)[1], lambda t: t
-                )
+            hook = (
+                torch.autograd.graph.saved_tensors_hooks(lambda t: (t.untyped_storage().data_ptr(), t)[1], lambda t: t)
+                if hooked
+                else contextlib.nullcontext()
+            )
             C.synchronize(device)
             start = time.perf_counter()
-            if hook is not None:
-                with hook:
-                    out = layer(h)
-            else:
+            with hook:
                 out = layer(h)
             outputs = [t for t in tensors(out) if t.requires_grad]
             wrt = [t for t in tensors(h) if t.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
