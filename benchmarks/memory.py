@@ -44,7 +44,7 @@ import _common as C
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.engine.host_malloc import set_thresholds
+from lightning_gpipe.engine.host_malloc import MMAP_THRESHOLD, TRIM_THRESHOLD, set_thresholds
 
 MIB = 2**20
 
@@ -76,10 +76,14 @@ def malloc_for(purpose: str) -> None:
     Memory: blocks of 256 KiB and more are mapped and unmapped on each allocation, so freed activations
     leave the resident set and its peak follows the live tensors. That costs page faults on every
     allocation (measured: AmoebaNet-D (6, 32)'s step at a micro-batch of 32 took 2.7 times as long), so
-    time is measured as a long-running process settles by itself (glibc raises its threshold to the
-    largest block freed, up to 32 MiB): large blocks reused from the heap.
+    time is measured under the thresholds a pipeline stage on the CPU runs with by default
+    (``GPipeStrategy(reuse_freed_memory=True)``, :mod:`lightning_gpipe.engine.host_malloc`): large blocks
+    reused from the heap, whose free top is never trimmed. (Until 2026-11-26 the trim threshold here was
+    64 MiB: a K=2, M=1 step of AmoebaNet-D (6, 32) then freed more than that at once, and stage 0 faulted
+    about 350 MiB back in every step, 89,000 page faults and 0.2 s of kernel time, which the engine's own
+    setting does not pay.)
     """
-    mmap, trim = (_MEMORY_MMAP, _MEMORY_MMAP // 2) if purpose == "memory" else (32 * MIB, 64 * MIB)
+    mmap, trim = (_MEMORY_MMAP, _MEMORY_MMAP // 2) if purpose == "memory" else (MMAP_THRESHOLD, TRIM_THRESHOLD)
     set_thresholds(mmap, trim)  # does nothing off glibc, as before
 
 

@@ -12,6 +12,7 @@ import glob
 import os
 import random
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -476,6 +477,38 @@ def rank_zero_random_draws() -> Scenario:
     )
 
 
+class ShrinkHeadOnRankZero(L.Callback):
+    """Rescales the head's weights on rank zero only after each batch: a hand-made decay a user wrote as a
+    callback and decorated like their logging callbacks."""
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            pl_module.head.weight.mul_(0.9)
+
+
+class OuterLayers(Base):
+    """A stem with a BatchNorm and a head outside the backbone: every stage holds a copy of both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.BatchNorm1d(FEATURES)
+        self.head = nn.Linear(CLASSES, CLASSES)
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(self.stem(x))), y)
+
+    def on_train_epoch_end(self) -> None:
+        if self.trainer.is_global_zero:  # the module's own hook: a stem statistic reset on rank 0 only
+            self.stem.running_var.fill_(1.0)
+            self.head.bias.data.add_(0.1)
+
+
+def rank_zero_weight_changes() -> Scenario:
+    return Scenario(OuterLayers(), val=_loader(samples=16), callbacks=[ShrinkHeadOnRankZero()])
+
+
 class Evaluated(Base):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self.loss(batch))
@@ -554,6 +587,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         clipping_hook,
         metric_collection,
         rank_zero_random_draws,
+        rank_zero_weight_changes,
         best_checkpoint,
         double_precision,
         bf16_true,
@@ -576,7 +610,8 @@ def run(name: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
     """One scenario's training; what it learnt and recorded (the whole model is back in the module after fit)."""
     L.seed_everything(0, verbose=False)
     scenario = SCENARIOS[name]()
-    with tempfile.TemporaryDirectory() as logs:
+    with tempfile.TemporaryDirectory() as logs, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         settings = {"max_epochs": 2, "num_sanity_val_steps": 0, "enable_checkpointing": False, **scenario.trainer}
         trainer = L.Trainer(
             accelerator="cpu",
@@ -602,6 +637,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
         "epochs": trainer.current_epoch,
         "record": scenario.module.record,
         "logged": logged,
+        "warnings": [str(w.message) for w in caught],
     }
 
 

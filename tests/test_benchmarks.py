@@ -171,6 +171,7 @@ def test_messages_benchmark_times_the_engine_and_a_plain_send_recv_loop_per_size
 
 def test_plan_benchmark_predicts_and_measures_each_cell_and_replays_table_2_from_a_kept_profile(tmp_path):
     tiny = [*TINY, "--stages", "1", "2", "--chunks", "1", "2", "--modes", "never", "always", "--repeats", "1"]
+    tiny += ["--rounds", "2"]  # each cell measured twice, keeping its fastest
     table2 = ["--table2-layers", "6", "--table2-filters", "8", "--table2-image", "8", "--table2-batch", "32"]
     kept = str(tmp_path / "table2.pt")
     output, result = _run(tmp_path, "plan", *tiny, "--models", "amoebanet", *table2, "--table2-profile", kept)

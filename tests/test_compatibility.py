@@ -79,11 +79,23 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "clipping_hook",
         "metric_collection",
         "rank_zero_random_draws",
+        "rank_zero_weight_changes",
         "double_precision",
     ],
 )
 def test_feature_trains_as_on_one_device(name, runs):
     _check(name, runs)
+
+
+def test_outer_layers_changed_on_rank_zero_only_are_taken_from_the_first_stage_with_a_warning_naming_them(runs):
+    # a rank-zero-only callback rescaled the head, and the module's own hook reset a stem statistic on rank 0: each
+    # stage went on with its own copy, computing its loss and gradients from it (checked: the weights end apart)
+    want, ranks = _check("rank_zero_weight_changes", runs)
+    said = [m for m in ranks[0]["warnings"] if "layers outside the backbone" in m]
+    assert len(said) == 1, ranks[0]["warnings"]  # said once, though the callback changes the head every batch
+    assert said[0].startswith("Before training batch 1, the layers outside the backbone on rank(s) [1] differed from")
+    assert "`head.weight`" in said[0] and "`head.bias`" not in said[0] and "`@rank_zero_only`" in said[0]
+    assert not any("outside the backbone" in m for m in [*ranks[1]["warnings"], *want["warnings"]])
 
 
 def test_the_learning_rate_finder_suggests_the_one_device_rate_and_the_fit_after_it_trains_as_one_device(runs):

@@ -294,11 +294,11 @@ def _forward_backward(
     following, the most bytes the backward added beyond its start, the parameters' gradients aside (0 without).
     """
     # torch.autograd.grad, not backward(): the parameters' .grad must stay as it was.
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     with context():
         y = layer(x)
-    _synchronize(device)
+    synchronize(device)
     middle = time.perf_counter()
     leaving = {k: t for k, t in tracker.stashed.items() if k in crossing}
     outputs = [t for t in [*microbatch.as_tuple(y), *leaving.values()] if t.requires_grad]
@@ -312,7 +312,7 @@ def _forward_backward(
         live.mark("backward")
     middle_grads = time.perf_counter()  # the seed gradients are the pipeline's received ones: not the layer's
     computed = torch.autograd.grad(outputs, wrt, gradients, allow_unused=True)
-    _synchronize(device)
+    synchronize(device)
     backward = time.perf_counter() - middle_grads
     if live is None:
         return y, leaving, middle - start, backward, 0
@@ -321,8 +321,8 @@ def _forward_backward(
     return y, leaving, middle - start, backward, max(working, 0)
 
 
-def _synchronize(device: torch.device) -> None:
-    # Kernels run asynchronously on accelerators; a timer must wait for them.
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work: kernels run asynchronously on accelerators, and a timer must wait for them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type != "cpu" and hasattr(torch, "accelerator"):

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.balancing.plan.costs import CostModel, UpdateCosts
-from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers
+from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers, synchronize
 from lightning_gpipe.engine import microbatch
 
 __all__ = ["measure_updates", "micro_batch_sizes", "profile_for_plan"]
@@ -106,10 +106,10 @@ def measure_updates(
         together = together or _updates_together(params)
         samples = []
         for attempt in range(repeats + 1):
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             optimizer.step()
-            _synchronize(device)
+            synchronize(device)
             if attempt:
                 samples.append(time.perf_counter() - start)
         times.append(statistics.median(samples))
@@ -131,11 +131,6 @@ def _assumed_optimizer(params: list[Tensor], states: float) -> torch.optim.Optim
     if states >= 2:
         return torch.optim.Adam(params, lr=1e-3)
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if states >= 1 else 0.0)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _first(size: int, t: Tensor) -> Tensor:
