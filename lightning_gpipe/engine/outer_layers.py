@@ -51,7 +51,7 @@ class OuterLayers:
         apart = [name for i, (name, _) in enumerate(self.tensors) if any(o[i] != every[0][i] for o in every[1:])]
         with torch.no_grad():
             for _, tensor in self.tensors:
-                carrier = tensor.detach().contiguous()
+                carrier = tensor.detach().to(pipe.device).contiguous()  # NCCL sends device tensors only
                 work = dist.broadcast(carrier, src=pipe.ranks[0], group=pipe.group, async_op=True)
                 distributed.wait(work, watch, "broadcast", pipe.group)
                 if carrier.data_ptr() != tensor.data_ptr():
