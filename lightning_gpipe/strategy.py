@@ -271,7 +271,6 @@ class GPipeStrategy(ParallelStrategy):
         self._loaders: list[Any] = []  # the resumable training loaders handed to the loop
         self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
         self._batch_idx = -1
-        self._replicated: list[nn.Parameter] = []  # parameters outside the backbone, held by every rank
         self._outer: Optional[OuterLayers] = None  # every stage's copy of the layers outside the backbone
         self._rng_resynced = False  # whether the stages' random states were found apart and made one (said once)
         self._outer_resynced = False  # the same for the layers outside the backbone
@@ -811,17 +810,12 @@ class GPipeStrategy(ParallelStrategy):
         pipe = self.pipe
         module = self.lightning_module
         assert pipe is not None and module is not None
-        backbone = {id(t) for t in [*pipe.parameters(), *pipe.buffers()]}
-        self._replicated = [p for p in module.parameters() if id(p) not in backbone]
         self._outer = OuterLayers(module, pipe)
         # replicas of a stage start equal, as under DDP: the first replica's weights everywhere
         broadcast_from_first_replica([*module.parameters(), *module.buffers()], pipe.replica_group)
         if pipe.group is None:
             return
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                if id(tensor) not in backbone:
-                    dist.broadcast(tensor.data, src=pipe.ranks[0], group=pipe.group)
+        self._outer.copy_first_stages()
         set_rng_state(pipe.broadcast(get_rng_state(self.root_device)), self.root_device)
 
     def _cut_averaged_copies(self, trainer: "pl.Trainer") -> None:
@@ -872,7 +866,7 @@ class GPipeStrategy(ParallelStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         """Average gradients over the data-parallel replicas (a no-op with one pipeline)."""
         if self.pipe is not None:
-            self.pipe.sync_gradients(self._replicated)
+            self.pipe.sync_gradients(self._outer.parameters if self._outer is not None else [])
 
     @contextmanager
     @override

@@ -31,6 +31,8 @@ class OuterLayers:
 
     def __init__(self, module: nn.Module, pipe: GPipe) -> None:
         backbone = {id(t) for t in [*pipe.parameters(), *pipe.buffers()]}
+        #: their parameters: the gradients every stage averages over its replicas besides its stage's
+        self.parameters = [p for p in module.parameters() if id(p) not in backbone]
         named = [*module.named_parameters(), *module.named_buffers()]
         self.tensors: list[tuple[str, Tensor]] = [(name, t) for name, t in named if id(t) not in backbone]
         self.pipe = pipe
@@ -49,6 +51,15 @@ class OuterLayers:
         every = pipe.gather([fingerprint(t) for _, t in self.tensors])
         assert every is not None  # gathered to every stage
         apart = [name for i, (name, _) in enumerate(self.tensors) if any(o[i] != every[0][i] for o in every[1:])]
+        self.copy_first_stages(watch)
+        return apart
+
+    def copy_first_stages(self, watch: Optional[distributed.Watch] = None) -> None:
+        """Give every stage the first stage's values of all of them (collective over the pipeline): at setup, and
+        where :meth:`take_first_stages` found them apart."""
+        pipe = self.pipe
+        if pipe.group is None:
+            return
         with torch.no_grad():
             for _, tensor in self.tensors:
                 carrier = tensor.detach().to(pipe.device).contiguous()  # NCCL sends device tensors only
@@ -56,7 +67,6 @@ class OuterLayers:
                 distributed.wait(work, watch, "broadcast", pipe.group)
                 if carrier.data_ptr() != tensor.data_ptr():
                     tensor.copy_(carrier)
-        return apart
 
     @staticmethod
     def describe(apart: Sequence[str], ranks: Sequence[int], first: int, when: str) -> str:
