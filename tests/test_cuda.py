@@ -121,3 +121,28 @@ def test_the_fingerprint_on_a_gpu_tells_apart_one_ulp_an_order_a_shape_and_a_dty
     assert fingerprint([torch.ones(2, device=device)]) != fingerprint(
         [torch.ones(2, device=device, dtype=torch.float64)]
     )
+
+
+def test_the_fingerprint_of_many_gpu_tensors_waits_for_the_gpu_once():
+    # the per-step check of the layers outside the backbone: a stem of many BatchNorm buffers must not pay one
+    # synchronization per tensor; the sums reach the host together
+    from lightning_gpipe.engine.microbatch import fingerprint
+
+    device = torch.device("cuda")
+    buffers = [torch.randn(64, device=device) for _ in range(200)] + [torch.randn(2**22 + 3, device=device)]
+    expected = fingerprint(buffers)  # also warms up the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as said:
+            got = fingerprint(buffers)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got == expected
+    assert len([w for w in said if "synchroniz" in str(w.message)]) == 1
+    changed = [b.clone() for b in buffers]
+    changed[150][3] += 1
+    assert fingerprint(changed) != expected
+    swapped = [b.clone() for b in buffers]  # a small tensor's values moved: its bytes' CRC sees it
+    swapped[7][[1, 2]] = buffers[7][[2, 1]]
+    assert fingerprint(swapped) != expected
