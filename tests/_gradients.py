@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import nn
+from torch.nn.utils import clip_grad_norm_ as torch_clip_grad_norm_  # bound before any pipeline exists, as users do
 from torch.utils.data import DataLoader
 
 #: Splits of the 7-layer tied backbone: with K=2 both ties span stages 0 and 1; with K=3 the weight tie
@@ -26,12 +27,14 @@ RUNS = {
     "clip inf": ("clip", float("inf"), 0.02),
     "clip 1": ("clip", 1.0, 0.5),
     "gradient_clip_val": ("trainer", 2.0, 0.05),  # Lightning's clipping, through the strategy
+    "torch clip 2": ("torch clip", 2.0, 0.05),  # torch's own clip_grad_norm_, with and without the pipeline
+    "torch clip inf": ("torch clip", float("inf"), 0.02),
 }
 #: The runs of each layout (processes, data-parallel replicas): all on 2 stages, fewer on the slower layouts.
 LAYOUTS = {
     (2, 1): list(RUNS),
-    (3, 1): ["grad_norm 2", "clip inf"],
-    (4, 2): ["grad_norm 2", "clip 2"],
+    (3, 1): ["grad_norm 2", "clip inf", "torch clip inf"],
+    (4, 2): ["grad_norm 2", "clip 2", "torch clip 2"],
 }
 NORM_TYPES = (1.0, 2.0, float("inf"))
 
@@ -43,6 +46,7 @@ class GradNet(M.Net):
     ``clip_grad_norm_(self.parameters(), max_norm, norm_type)`` (``"clip"``), and records the result:
     with this package's functions if ``gpipe``, else with Lightning's and torch's (the one-device
     reference). ``"trainer"``: nothing in the hook, the Trainer clips (``gradient_clip_val=max_norm``).
+    ``"torch clip"``: torch's ``clip_grad_norm_`` in the hook, with the pipeline too.
     """
 
     def __init__(self, action: str, norm_type: float, max_norm: float, gpipe: bool) -> None:
@@ -69,6 +73,9 @@ class GradNet(M.Net):
                 total = lightning_gpipe.clip_grad_norm_(self.parameters(), self.max_norm, self.norm_type)
             else:
                 total = torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_norm, self.norm_type)
+            self.records.append(total.detach().clone())
+        elif self.action == "torch clip":
+            total = torch_clip_grad_norm_(self.parameters(), self.max_norm, self.norm_type)
             self.records.append(total.detach().clone())
 
 
@@ -145,6 +152,10 @@ def plain(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"norms": {p: grad_norm(model, p) for p in NORM_TYPES}}
     out["total"] = clip_grad_norm_(model.parameters(), 0.5)
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    plain_backward(model)
+    out["torch_total"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # torch's own, routed
+    out["torch_grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     other = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=1)  # a second pipeline of 2 stages
     out["owner_found"] = owning_pipe(list(model.parameters())) is pipe
     try:

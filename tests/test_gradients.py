@@ -93,8 +93,7 @@ def test_grad_norm_logged_from_a_hook_is_one_device_grad_norm_on_every_rank(layo
         _assert_weights(got["weights"], expected["weights"], f"rank {rank}")
 
 
-@pytest.mark.parametrize("layout, run", _cases("clip"))
-def test_clip_grad_norm_from_a_hook_clips_as_torch_does_on_one_device(layout, run, layouts, references):
+def _assert_clipped_as_on_one_device(layout, run, layouts, references) -> None:
     """The returned norm, the same on every rank, and the weights after 5 clipped SGD steps."""
     _, norm_type, max_norm = G.RUNS[run]
     expected = references(run, layout[1])
@@ -106,6 +105,19 @@ def test_clip_grad_norm_from_a_hook_clips_as_torch_does_on_one_device(layout, ru
         _close(torch.stack(got["records"]), totals, f"rank {rank}, norm_type={norm_type}: the returned norms")
         assert torch.equal(torch.stack(got["records"]), torch.stack(everyone[0][run]["records"]))
         _assert_weights(got["weights"], expected["weights"], f"rank {rank}, norm_type={norm_type}")
+
+
+@pytest.mark.parametrize("layout, run", _cases("clip"))
+def test_clip_grad_norm_from_a_hook_clips_as_torch_does_on_one_device(layout, run, layouts, references):
+    _assert_clipped_as_on_one_device(layout, run, layouts, references)
+
+
+@pytest.mark.parametrize("layout, run", _cases("torch clip"))
+def test_torchs_own_clip_grad_norm_in_a_hook_clips_by_the_whole_models_norm_as_on_one_device(
+    layout, run, layouts, references
+):
+    """``from torch.nn.utils import clip_grad_norm_``, bound before any pipeline existed, called in the hook."""
+    _assert_clipped_as_on_one_device(layout, run, layouts, references)
 
 
 def test_trainer_gradient_clip_val_clips_by_the_whole_models_norm(layouts, references):
@@ -132,6 +144,10 @@ def test_plain_pytorch_module_with_a_two_stage_gpipe_gets_one_process_norms_and_
         _close(got["total"], expected_total, f"rank {rank}, the clipping norm")
         for name, grad in got["grads"].items():  # a tied copy by its local name
             _close(grad, expected_grads[M.TIED_ALIASES.get(name, name)], f"rank {rank}, clipped gradient of {name}")
+        # torch's own clip_grad_norm_ on the same gradients: routed to the same norm and factor
+        _close(got["torch_total"], expected_total, f"rank {rank}, torch's clip_grad_norm_")
+        for name, grad in got["torch_grads"].items():
+            _close(grad, expected_grads[M.TIED_ALIASES.get(name, name)], f"rank {rank}, torch-clipped {name}")
 
 
 def test_grad_norm_raises_at_once_when_a_stage_failed_instead_of_waiting_for_it(layouts):
@@ -200,6 +216,23 @@ def test_clip_grad_norm_without_a_pipeline_is_torchs_bit_for_bit(norm_type):
     single = nn.Parameter(torch.ones(3))
     single.grad = torch.full((3,), 2.0)
     assert clip_grad_norm_(single, 1.0, norm_type).item() == torch.linalg.vector_norm(torch.full((3,), 2.0), norm_type)
+
+
+def test_torchs_clip_grad_norm_is_routed_on_this_torch_and_stays_torchs_own_without_a_live_pipeline():
+    """The routing finds its hook in this torch (a torch that moves it fails here, not silently in a fit), and
+    with no pipeline of several stages live, torch's function gives what torch's own helper gives, bit for bit."""
+    from lightning_gpipe.engine.torch_clipping import route_torch_clip_grad_norm, routed
+
+    assert route_torch_clip_grad_norm() and routed()
+    assert not [pipe for pipe in live_pipes() if pipe.group is not None]
+    model, reference = _with_gradients(), _with_gradients()
+    got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, 3.0)
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    expected = torch.nn.utils.get_total_norm(grads, 3.0)  # torch's helper itself, not the routed name
+    torch.nn.utils.clip_grads_with_norm_(reference.parameters(), 0.5, expected)
+    assert torch.equal(got, expected) and expected.item() > 0.5
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
 
 
 @pytest.mark.parametrize("norm_type", [0, -1.0, float("-inf"), float("nan"), "two"])

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_gpipe.engine import distributed
 
-__all__ = ["check_norm_type", "global_grad_norm", "clip_grad_norm_"]
+__all__ = ["check_norm_type", "global_grad_norm", "joined_norm", "clip_grad_norm_"]
 
 
 def check_norm_type(norm_type: Union[float, int, str]) -> float:
@@ -82,13 +82,40 @@ def global_grad_norm(
     on a stage without any. With ``error_if_nonfinite``, a norm that is ``nan`` or ``inf`` raises, on
     every stage alike (it is checked after the all-reduce).
     """
-    p = check_norm_type(norm_type)
     own_ids = {id(q) for q in stage_parameters}
     skip = {id(q) for q in counted_elsewhere}
     pairs = [(id(q), g) for q in parameters if (g := q.grad) is not None]
-    grads = [g for _, g in pairs]
-    own = [g for key, g in pairs if key in own_ids and key not in skip]
-    shared = [g for key, g in pairs if key not in own_ids and key not in skip]
+    return joined_norm(
+        [g for key, g in pairs if key in own_ids and key not in skip],
+        [g for key, g in pairs if key not in own_ids and key not in skip],
+        [g for _, g in pairs],
+        count_replicated,
+        group,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+        watch=watch,
+        device=device,
+    )
+
+
+def joined_norm(
+    own: list[Tensor],
+    shared: list[Tensor],
+    grads: list[Tensor],
+    count_replicated: bool,
+    group: Optional[dist.ProcessGroup],
+    *,
+    norm_type: Union[float, int, str] = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+    watch: Optional[distributed.Watch] = None,
+    device: Optional[torch.device] = None,
+) -> Tensor:
+    """:func:`global_grad_norm` from the gradients themselves: ``own``, this stage's; ``shared``, those every stage
+    holds alike (counted where ``count_replicated``); ``grads``, all that were given (their dtypes and device set
+    the result's, as in torch). Collective over ``group``."""
+    p = check_norm_type(norm_type)
     device = grads[0].device if grads else (device or torch.device("cpu"))
     dtype = torch.float32
     if grads:

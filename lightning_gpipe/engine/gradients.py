@@ -2,10 +2,10 @@
 
 Each rank of a pipeline holds one stage of the backbone (plus the layers outside it, replicated), so
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` and Lightning's ``grad_norm(model, ...)``
-see one stage: the first clips every stage by its own norm, the second reports this stage's
-parameters and their norm. The two functions here are drop-in replacements that give what one device
-gives, on every rank: they are collective over the stages of one pipeline (call them on every rank,
-as hook code does), through the polled collectives, so a failed peer raises instead of a hang.
+see one stage: the first would clip every stage by its own norm (torch's is routed to :func:`clip_grad_norm_`'s
+norm while a pipeline is live, :mod:`~lightning_gpipe.engine.torch_clipping`), the second reports this stage's
+parameters and their norm. The two functions here give what one device gives, on every rank: they are
+collective over the stages of one pipeline (call them on every rank, as hook code does), through the polled collectives, so a failed peer raises instead of a hang.
 Without a pipeline they are exactly torch's and Lightning's.
 """
 
@@ -62,7 +62,8 @@ def clip_grad_norm_(
     Called on every rank with that rank's parameters (``self.parameters()`` in a LightningModule hook
     such as ``on_before_optimizer_step``, or in manual optimization), it scales every gradient by the
     factor one device would use, and returns the whole model's norm, the same on every rank. torch's
-    function would clip each stage by its own norm: stages scaled differently, without any warning.
+    function alone would clip each stage by its own norm; it is routed to this norm while a pipeline of several
+    stages is live (:mod:`~lightning_gpipe.engine.torch_clipping`), and this one also takes ``pipe=``.
     (``Trainer(gradient_clip_val=...)`` goes through this function already.)
 
     The norm counts this stage's backbone parameters, the parameters outside the pipeline once (they

@@ -205,6 +205,10 @@ class GPipe(nn.Module):
                 [p for p in self.parameters() if id(p) not in tied], self.replica_group
             )
         _live.add(self)
+        if self.group is not None:  # torch's clip_grad_norm_ in user code: the norm of every stage, not this one's
+            from lightning_gpipe.engine.torch_clipping import route_torch_clip_grad_norm
+
+            route_torch_clip_grad_norm()
 
     def sync_gradients(self, replicated: Optional[list[nn.Parameter]] = None) -> None:
         """Average this stage's gradients (and ``replicated`` ones) over the data-parallel replicas.

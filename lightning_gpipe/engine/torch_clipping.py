@@ -1,0 +1,118 @@
+"""torch's own ``clip_grad_norm_`` in a pipeline: its norm is taken over every stage, as one device takes it.
+
+Each rank holds one stage, so ``torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)`` in user code
+(``on_before_optimizer_step``, ``configure_gradient_clipping``, a manual-optimization step) would compute this
+stage's norm and clip each stage by its own factor: no error, and the weights 3.3e-2 off one device after a few
+steps. It is the most common clipping code there is, and it is often bound by ``from torch.nn.utils import
+clip_grad_norm_`` before this package is imported, so replacing the public name would miss it.
+
+torch's function looks up its norm helper, ``torch.nn.utils.clip_grad._get_total_norm``, in its own module at
+every call. While a pipeline of several stages is live in the process, that helper is :func:`_total_norm`,
+which joins the stages' shares as :func:`lightning_gpipe.clip_grad_norm_` does (this stage's gradients, the
+gradients every stage holds alike counted once, each tied parameter once). The clipping itself stays torch's:
+every stage scales by the one factor. With no such pipeline live, the helper calls torch's own.
+
+Written by hand because neither torch nor Lightning has a hook for it: Lightning's own clipping
+(``gradient_clip_val``) goes through the strategy's precision plugin, which this package routes already, but
+torch's function is plain code. Like :func:`lightning_gpipe.clip_grad_norm_`, it is then collective over the
+stages: call it on every rank, as hook code does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.utils.clip_grad as torch_clip_grad
+from torch import Tensor
+
+from lightning_gpipe.engine import clipping
+from lightning_gpipe.engine.pipe import GPipe, live_pipes
+
+__all__ = ["route_torch_clip_grad_norm", "routed"]
+
+#: torch's helper, kept while :func:`_total_norm` stands in for it
+_torch_total_norm: Optional[Callable[..., Tensor]] = None
+
+
+def routed() -> bool:
+    """Whether torch's ``clip_grad_norm_`` takes its norm over every stage of a live pipeline in this process."""
+    return getattr(torch_clip_grad, "_get_total_norm", None) is _total_norm
+
+
+def route_torch_clip_grad_norm() -> bool:
+    """Make torch's ``clip_grad_norm_`` take its norm over the stages of the live pipeline (idempotent).
+
+    Called when a pipeline of several stages is built. Returns False, with a warning that says what to use
+    instead, where this torch's ``clip_grad_norm_`` no longer looks up ``_get_total_norm`` in its module.
+    """
+    global _torch_total_norm
+    if routed():
+        return True
+    helper = getattr(torch_clip_grad, "_get_total_norm", None)
+    function = getattr(torch_clip_grad.clip_grad_norm_, "__wrapped__", torch_clip_grad.clip_grad_norm_)
+    code = getattr(function, "__code__", None)
+    if helper is None or code is None or "_get_total_norm" not in code.co_names:
+        warnings.warn(
+            f"torch {torch.__version__}'s torch.nn.utils.clip_grad_norm_ no longer computes its norm through "
+            "torch.nn.utils.clip_grad._get_total_norm, so in a pipeline it would clip each stage by that stage's own "
+            "norm. Use lightning_gpipe.clip_grad_norm_ (same arguments) or Trainer(gradient_clip_val=...) instead.",
+            stacklevel=2,
+        )
+        return False
+    _torch_total_norm = helper
+    torch_clip_grad._get_total_norm = _total_norm
+    return True
+
+
+def _pipeline(grads: list[Tensor]) -> Optional[GPipe]:
+    """The live pipeline of several stages whose norm to join, as :func:`~.gradients.owning_pipe` picks it."""
+    pipes = [pipe for pipe in live_pipes() if pipe.group is not None]
+    if len(pipes) <= 1:
+        return pipes[0] if pipes else None
+    ids = {id(g) for g in grads}
+    holders = [pipe for pipe in pipes if any(id(p.grad) in ids for p in pipe.parameters() if p.grad is not None)]
+    if len(holders) == 1:
+        return holders[0]
+    raise ValueError(
+        f"torch.nn.utils.clip_grad_norm_ was called while this process has {len(pipes)} live GPipe pipelines, and "
+        f"the gradients belong to {'none' if not holders else len(holders)} of them, so which stages' norm to join "
+        "is ambiguous. Call lightning_gpipe.clip_grad_norm_(..., pipe=<the GPipe>) instead, or close() the "
+        "pipelines no longer used."
+    )
+
+
+def _total_norm(
+    tensors: Union[Tensor, Iterable[Tensor]],
+    norm_type: Union[float, int, str] = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+) -> Tensor:
+    """torch's ``_get_total_norm`` of the gradients ``clip_grad_norm_`` was given, over every stage of the pipeline.
+
+    The gradients of this stage's parameters are its share; the others (a head's, a stem's) are the same on every
+    stage and count once; a tied parameter's copy that an earlier stage counts is skipped. A stage given none
+    (a frozen stage) still joins, with a share of 0.
+    """
+    grads = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    pipe = _pipeline(grads)
+    assert _torch_total_norm is not None  # set with the routing
+    if pipe is None:
+        return _torch_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    own_ids = {id(p.grad) for p in pipe.parameters() if p.grad is not None}
+    skip = {id(p.grad) for p in pipe.ties.counted_elsewhere() if p.grad is not None}
+    with torch.no_grad():
+        return clipping.joined_norm(
+            [g for g in grads if id(g) in own_ids and id(g) not in skip],
+            [g for g in grads if id(g) not in own_ids and id(g) not in skip],
+            grads,
+            count_replicated=pipe.stage == 0,
+            group=pipe.group,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+            watch=pipe.watch("torch.nn.utils.clip_grad_norm_ (its norm over all stages)"),
+            device=pipe.device,
+        )
