@@ -5,7 +5,8 @@ Each rank of a pipeline holds one stage of the backbone (plus the layers outside
 see one stage: the first would clip every stage by its own norm (torch's is routed to :func:`clip_grad_norm_`'s
 norm while a pipeline is live, :mod:`~lightning_gpipe.engine.torch_clipping`), the second reports this stage's
 parameters and their norm. The two functions here give what one device gives, on every rank: they are
-collective over the stages of one pipeline (call them on every rank, as hook code does), through the polled collectives, so a failed peer raises instead of a hang.
+collective over the stages of one pipeline (call them on every rank, as hook code does), through the polled
+collectives, so a failed peer raises instead of a hang.
 Without a pipeline they are exactly torch's and Lightning's.
 """
 
