@@ -289,12 +289,20 @@ class StopInTheModuleOnRankZero(M.Net):
             self.trainer.should_stop = True
 
 
+class ClipOnRankZero(M.Net):
+    """Clips with torch's ``clip_grad_norm_`` on rank zero only: the norm is every stage's, so rank 0 waits."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.global_rank == 0:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+
+
 def deadlocked(rank: int, world_size: int, cause: str, path: str) -> None:
     """Rank 0 heads into a call that rank 1 never makes, while rank 1 waits elsewhere; found after 3 s."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    model = StopInTheModuleOnRankZero() if cause == "module stop" else M.Net()
+    model = {"module stop": StopInTheModuleOnRankZero, "rank-zero clip": ClipOnRankZero}.get(cause, M.Net)()
     callbacks = [SaveOnRankZero(path)] if cause == "rank-zero save" else []
     trainer = L.Trainer(
         strategy=GPipeStrategy(chunks=2, failure_timeout=3.0),

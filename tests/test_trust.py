@@ -218,6 +218,17 @@ def test_a_stop_set_on_rank_zero_only_in_the_modules_own_hook_ends_every_rank_na
     assert "`trainer.should_stop` in the LightningModule's own hooks" in found[0]
 
 
+def test_torchs_clip_grad_norm_on_rank_zero_only_ends_every_rank_naming_the_call(tmp_path):
+    # torch's clip_grad_norm_ takes the norm of every stage in a pipeline (a collective); on rank 0 only, rank 0
+    # waits in it while rank 1 has gone on: a deadlock that names the call, not a stage clipped by itself
+    outcome = run_processes(W.deadlocked, 2, "rank-zero clip", str(tmp_path / "unused.ckpt"), timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    found = [e for e in outcome.errors if e and "none can go on (a deadlock)" in e]
+    assert found, outcome.errors
+    assert "stage 0 (rank 0) has waited" in found[0]
+    assert "for torch.nn.utils.clip_grad_norm_ (its norm over all stages)" in found[0]
+
+
 def test_a_rank_zero_only_save_checkpoint_ends_the_job_naming_the_deadlock_under_the_default_launcher(tmp_path):
     # rank 0 gathers every stage's state for the file; rank 1 has gone on and waits for rank 0
     path = tmp_path / "ckpt" / "rank-zero.ckpt"
