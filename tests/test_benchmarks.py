@@ -169,6 +169,18 @@ def test_messages_benchmark_times_the_engine_and_a_plain_send_recv_loop_per_size
     assert "plain send/recv us" in output
 
 
+def test_corun_benchmark_times_each_kind_of_work_alone_and_in_two_processes_at_once(tmp_path):
+    kinds = ("stream", "amoebanet")
+    output, result = _run(
+        tmp_path, "corun", *TINY[2:14], "--kinds", *kinds, "--seconds", "0.05", "--rounds", "2", "--stream-mib", "1"
+    )
+    assert [r["kind"] for r in result["rows"]] == list(kinds)
+    for row in result["rows"]:
+        assert row["alone_per_s"] > 0 and row["together_per_s"] > 0
+        assert row["slowdown_min"] <= row["slowdown"] <= row["slowdown_max"]
+    assert "| work | alone per s | together per s (each) |" in output
+
+
 def test_plan_benchmark_predicts_and_measures_each_cell_and_replays_table_2_from_a_kept_profile(tmp_path):
     tiny = [*TINY, "--stages", "1", "2", "--chunks", "1", "2", "--modes", "never", "always", "--repeats", "1"]
     tiny += ["--rounds", "2"]  # each cell measured twice, keeping its fastest

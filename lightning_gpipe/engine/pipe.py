@@ -45,6 +45,12 @@ DEADLOCK_MARGIN = 5.0
 _live: weakref.WeakSet[GPipe] = weakref.WeakSet()
 
 
+#: Called with each pipeline of several stages when it is built, for what the process must set up once there is one
+#: (``torch_clipping`` routes torch's ``clip_grad_norm_`` to the norm of every stage). A list that those modules
+#: append to, so that this module imports none of them.
+on_pipeline_built: list[Callable[[GPipe], None]] = []
+
+
 def live_pipes() -> list[GPipe]:
     """The ``GPipe`` instances of this process that are built and not yet closed (usually one: the running one)."""
     return list(_live)
@@ -205,10 +211,9 @@ class GPipe(nn.Module):
                 [p for p in self.parameters() if id(p) not in tied], self.replica_group
             )
         _live.add(self)
-        if self.group is not None:  # torch's clip_grad_norm_ in user code: the norm of every stage, not this one's
-            from lightning_gpipe.engine.torch_clipping import route_torch_clip_grad_norm
-
-            route_torch_clip_grad_norm()
+        if self.group is not None:
+            for hook in on_pipeline_built:
+                hook(self)
 
     def sync_gradients(self, replicated: Optional[list[nn.Parameter]] = None) -> None:
         """Average this stage's gradients (and ``replicated`` ones) over the data-parallel replicas.

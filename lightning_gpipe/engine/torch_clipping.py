@@ -7,10 +7,11 @@ steps. It is the most common clipping code there is, and it is often bound by ``
 clip_grad_norm_`` before this package is imported, so replacing the public name would miss it.
 
 torch's function looks up its norm helper, ``torch.nn.utils.clip_grad._get_total_norm``, in its own module at
-every call. While a pipeline of several stages is live in the process, that helper is :func:`_total_norm`,
-which joins the stages' shares as :func:`lightning_gpipe.clip_grad_norm_` does (this stage's gradients, the
-gradients every stage holds alike counted once, each tied parameter once). The clipping itself stays torch's:
-every stage scales by the one factor. With no such pipeline live, the helper calls torch's own.
+every call. Once a pipeline of several stages is built (:data:`~lightning_gpipe.engine.pipe.on_pipeline_built`),
+that helper is :func:`_total_norm`, which joins the stages' shares as :func:`lightning_gpipe.clip_grad_norm_` does
+(this stage's gradients, the gradients every stage holds alike counted once, each tied parameter once). The
+clipping itself stays torch's: every stage scales by the one factor. With no such pipeline live, the helper calls
+torch's own.
 
 Written by hand because neither torch nor Lightning has a hook for it: Lightning's own clipping
 (``gradient_clip_val``) goes through the strategy's precision plugin, which this package routes already, but
@@ -29,7 +30,7 @@ import torch.nn.utils.clip_grad as torch_clip_grad
 from torch import Tensor
 
 from lightning_gpipe.engine import clipping
-from lightning_gpipe.engine.pipe import GPipe, live_pipes
+from lightning_gpipe.engine.pipe import GPipe, live_pipes, on_pipeline_built
 
 __all__ = ["route_torch_clip_grad_norm", "routed"]
 
@@ -116,3 +117,10 @@ def _total_norm(
             watch=pipe.watch("torch.nn.utils.clip_grad_norm_ (its norm over all stages)"),
             device=pipe.device,
         )
+
+
+def _on_pipeline_built(pipe: GPipe) -> None:
+    route_torch_clip_grad_norm()
+
+
+on_pipeline_built.append(_on_pipeline_built)
