@@ -11,7 +11,9 @@ speed-up K*M/(M+K-1) sees. This measures that slowdown per kind of work, one thr
 - ``small ops``: a 16-wide linear layer and a ReLU (bound by the per-op dispatch in Python and C++);
 - ``stream``: ``y = 2 * x`` over 64 MiB (bound by memory bandwidth);
 - ``amoebanet`` and ``transformer``: a forward and backward of a micro-batch of 4 through the benchmark
-  models of ``_common.py`` (the work a stage does).
+  models of ``_common.py`` (the work a stage does);
+- ``amoebanet, 8 held`` and ``transformer, 8 held``: the forwards of 8 such micro-batches, each holding its
+  activations, then their backwards: a stage's step under ``checkpoint="never"``, with its working set.
 
 Rank 0 runs each kind for ``--seconds`` alone (rank 1 idles at a barrier), then both ranks run it at once;
 ``--rounds`` rounds, the kinds taking turns. The slowdown is the median of each round's alone over together
@@ -30,7 +32,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-KINDS = ("matmul", "conv", "small ops", "stream", "amoebanet", "transformer")
+KINDS = (
+    "matmul",
+    "conv",
+    "small ops",
+    "stream",
+    "amoebanet",
+    "transformer",
+    "amoebanet, 8 held",
+    "transformer, 8 held",
+)
 
 
 def _work(kind: str, args: argparse.Namespace) -> Callable[[], None]:
@@ -59,12 +70,15 @@ def _work(kind: str, args: argparse.Namespace) -> Callable[[], None]:
         x = torch.randn(args.stream_mib * 2**20 // 4)
         y = torch.empty_like(x)
         return lambda: torch.mul(x, 2.0, out=y)
-    workload = C.workloads([kind], args)[0]
+    name, _, held = kind.partition(", ")
+    workload = C.workloads([name], args)[0]
     model = workload.build()
-    inputs, targets = workload.batch(args.micro_batch, torch.device("cpu"))
+    batches = [workload.batch(args.micro_batch, torch.device("cpu")) for _ in range(8 if held else 1)]
 
     def step() -> None:
-        workload.loss(model(inputs), targets).backward()
+        losses = [workload.loss(model(inputs), targets) for inputs, targets in batches]  # every graph held
+        for loss in losses:
+            loss.backward()
 
     return step
 
