@@ -90,6 +90,7 @@ from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_stat
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
+from lightning_gpipe.prediction_writers import write_once_per_pipeline
 from lightning_gpipe.stop_together import StopTogether
 
 __all__ = ["GPipeStrategy"]
@@ -622,6 +623,7 @@ class GPipeStrategy(ParallelStrategy):
             refusals.empty_everywhere([_unwrap(o) for o in self.optimizers], self._layouts, self._emptied)
         use_pipeline_summaries(trainer)
         count_throughput_per_pipeline(trainer, self.layout.num_replicas, self.layout.pipe_size)
+        write_once_per_pipeline(trainer, first_stage=self.layout.stage_of(self.global_rank) == 0)
         walk_stages_in_finetuning()
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:

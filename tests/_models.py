@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -181,3 +184,18 @@ class TiedNet(Net):
         self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
         optimizer.step()
         optimizer.zero_grad()
+
+
+class Writer(BasePredictionWriter):
+    """Lightning's documented prediction writer: every rank saves what it predicted under its global rank."""
+
+    def __init__(self, directory: str, interval: str) -> None:
+        super().__init__(interval)
+        self.directory = directory
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        torch.save(prediction, os.path.join(self.directory, f"batch_{batch_idx}_{trainer.global_rank}.pt"))
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        saved = {"predictions": predictions, "indices": batch_indices}
+        torch.save(saved, os.path.join(self.directory, f"predictions_{trainer.global_rank}.pt"))

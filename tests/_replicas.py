@@ -70,6 +70,11 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     trainer = L.Trainer(strategy=gpipe(), devices=4, **M.trainer_kwargs(max_steps=1))
     trainer.fit(M.Net(), M.loader(batch_size=BATCH))
     out["sum over replicas"] = float(trainer.strategy.reduce(torch.tensor(float(rank)), reduce_op="sum"))
+    out["written"] = os.path.join(directory, "written")  # Lightning's documented writer, on every rank
+    os.makedirs(out["written"], exist_ok=True)
+    trainer.callbacks.append(M.Writer(out["written"], "epoch"))
+    trainer.predict(trainer.lightning_module, M.loader(batch_size=BATCH, shuffle=False))
+    out["first stage"] = trainer.strategy.layout.stage_of(rank) == 0
     out["pipe_size=1"] = _fit(GPipeStrategy(pipe_size=1, chunks=2), 4, optimizer="adam")
     out["ddp"] = _fit(DDPStrategy(), 4, optimizer="adam")
     for kind in ("full", "sharded"):

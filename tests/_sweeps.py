@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,11 +104,15 @@ def predict_after_fit(devices: int) -> dict[str, Any]:
     model = M.Net()
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=devices, **M.trainer_kwargs())
     trainer.fit(model, M.loader())
+    directory = os.path.join(tempfile.gettempdir(), f"gpipe-writers-{os.environ['MASTER_PORT']}")  # one per run
+    os.makedirs(directory, exist_ok=True)
+    trainer.callbacks.extend([M.Writer(directory, "epoch"), M.Writer(directory, "batch")])
     predictions = trainer.predict(model, M.loader(shuffle=False))
     return {
         "predictions": torch.cat(predictions),
         "weights": {k: v.clone() for k, v in model.state_dict().items()},
         "host_malloc": trainer.strategy.host_malloc,
+        "written": directory,
     }
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import _models as M
 import _replicas as R
 import pytest
 import torch
@@ -57,6 +60,21 @@ def test_logged_metrics_are_reduced_over_the_replicas_not_the_stages(runs):
     for rank in range(4):
         assert runs[rank]["2x2"]["logged"] == pytest.approx(last, abs=1e-6)  # self.log(..., sync_dist=True)
         assert runs[rank]["sum over replicas"] == (0 + 2 if rank % 2 == 0 else 1 + 3)  # stage k: ranks k and k+2
+
+
+def test_a_prediction_writer_writes_one_file_per_replica_from_its_first_stage_each_sample_once(runs):
+    """As under DDP: one file per data-parallel shard, written by the pipeline's first stage; every sample once."""
+    directory = runs[0]["written"]
+    firsts = [rank for rank, result in enumerate(runs) if result["first stage"]]
+    assert len(firsts) == 2
+    assert sorted(os.listdir(directory)) == sorted(f"predictions_{rank}.pt" for rank in firsts)
+    indices, rows = [], 0
+    for rank in firsts:
+        saved = torch.load(os.path.join(directory, f"predictions_{rank}.pt"))
+        indices += [i for batch in saved["indices"][0] for i in batch]
+        rows += sum(p.shape[0] for p in saved["predictions"])
+    samples = len(M.loader().dataset)
+    assert sorted(indices) == list(range(samples)) and rows == samples
 
 
 def test_pipe_size_1_is_lightnings_ddp(runs):

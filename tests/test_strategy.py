@@ -43,6 +43,21 @@ def test_predict_returns_the_real_outputs(pipeline_runs):
         torch.testing.assert_close(result["predictions"], expected, atol=1e-6, rtol=0)
 
 
+def test_a_prediction_writer_writes_the_pipelines_predictions_once_from_its_first_stage(pipeline_runs):
+    """Lightning's documented writer saves under ``trainer.global_rank`` on every rank: stage 1 holds the same
+    predictions as stage 0, so only stage 0 writes, and the files hold each sample once, as one device's would."""
+    results = pipeline_runs(2)
+    directory = results[0]["predict"]["written"]
+    assert results[1]["predict"]["written"] == directory
+    batches = len(M.loader(shuffle=False))
+    expected = {"predictions_0.pt"} | {f"batch_{i}_0.pt" for i in range(batches)}
+    assert set(os.listdir(directory)) == expected  # nothing from rank 1
+    whole = torch.cat(torch.load(os.path.join(directory, "predictions_0.pt"))["predictions"])
+    torch.testing.assert_close(whole, results[0]["predict"]["predictions"], atol=0, rtol=0)
+    per_batch = torch.cat([torch.load(os.path.join(directory, f"batch_{i}_0.pt")) for i in range(batches)])
+    torch.testing.assert_close(per_batch, whole, atol=0, rtol=0)
+
+
 def test_checkpoint_holds_the_whole_model_and_loads_on_one_device_without_this_package(pipeline_runs):
     result = pipeline_runs(2)[0]["checkpoint"]
     checkpoint = torch.load(result["path"], weights_only=False)
