@@ -9,7 +9,7 @@ the model, the step, collectives, data, checkpoints, failure and teardown.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, NoReturn, Optional, Union
@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -64,7 +65,15 @@ from lightning_gpipe.checkpointing.files import (
 )
 from lightning_gpipe.checkpointing.resumable import resumable
 from lightning_gpipe.engine import distributed, microbatch, tied
-from lightning_gpipe.engine.agreement import DIFFERENT_SETTINGS_CAUSES, digest, first_difference, optimizer_settings
+from lightning_gpipe.engine.agreement import (
+    DIFFERENT_LOSS_CAUSES,
+    DIFFERENT_SETTINGS_CAUSES,
+    digest,
+    first_difference,
+    loss_bits,
+    losses_apart,
+    optimizer_settings,
+)
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, per_micro_batch_norms
 from lightning_gpipe.engine.checkpoint import check_checkpoint_mode
 from lightning_gpipe.engine.failure import (
@@ -275,6 +284,7 @@ class GPipeStrategy(ParallelStrategy):
         self._outer: Optional[OuterLayers] = None  # every stage's copy of the layers outside the backbone
         self._rng_resynced = False  # whether the stages' random states were found apart and made one (said once)
         self._outer_resynced = False  # the same for the layers outside the backbone
+        self._last_loss: Optional[Tensor] = None  # what the last training_step returned: compared before the next
         self._saved_model_keys: Optional[list[str]] = (
             None  # a sharded checkpoint's model keys (each stage reads its own)
         )
@@ -586,6 +596,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
+        self._last_loss = None
         refusals.fp16_scaler(self.precision_plugin)
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
         assert self.lightning_module is not None
@@ -683,9 +694,11 @@ class GPipeStrategy(ParallelStrategy):
         state = get_rng_state(self.root_device, everything=True)
         settings = optimizer_settings([_unwrap(o) for o in self.optimizers], trainer.global_step)
         outer = self._outer.fingerprint() if self._outer is not None else 0
-        mine = torch.tensor([digest(state), digest(settings), outer], dtype=torch.int64, device=self.root_device)
-        watch = self._watch("a comparison of the stages' random states, optimizer settings and outer layers")
+        loss = loss_bits(self._last_loss)
+        mine = torch.tensor([digest(state), digest(settings), outer, loss], dtype=torch.int64, device=self.root_device)
+        watch = self._watch("a comparison of the stages' random states, optimizer settings, outer layers and losses")
         digests = distributed.all_gather(mine, pipe.group, watch)
+        self._refuse_different_losses(digests[:, 3], f"the training step before batch {self._batch_idx}")
         if bool((digests[:, 1] != digests[0, 1]).any()):
             self._refuse_different_settings(settings, trainer.current_epoch)
         self._take_first_stages_state(digests[:, 0], state)
@@ -736,9 +749,35 @@ class GPipeStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         assert self._outer is not None
-        mine = torch.tensor([self._outer.fingerprint()], dtype=torch.int64, device=self.root_device)
-        watch = self._watch("a comparison of the stages' layers outside the backbone")
-        self._take_first_stages_outer_layers(distributed.all_gather(mine, pipe.group, watch)[:, 0], when)
+        mine = torch.tensor(
+            [self._outer.fingerprint(), loss_bits(self._last_loss)], dtype=torch.int64, device=self.root_device
+        )
+        watch = self._watch("a comparison of the stages' layers outside the backbone and losses")
+        digests = distributed.all_gather(mine, pipe.group, watch)
+        self._refuse_different_losses(digests[:, 1], f"training batch {self._batch_idx}")
+        self._take_first_stages_outer_layers(digests[:, 0], when)
+
+    def _refuse_different_losses(self, bits: Tensor, which: str) -> None:
+        """Every stage raises alike where the losses their last ``training_step`` returned (``bits``, one per stage,
+        gathered) differ: the loss depended on the stage that computed it."""
+        pipe = self.pipe
+        assert pipe is not None
+        found = losses_apart(bits.tolist())
+        if found is None:
+            return
+        stage, first, other = found
+        raise PipelineError(
+            f"The pipeline's stages computed different losses in {which}: {first!r} on stage 0 (rank {pipe.ranks[0]}) "
+            f"but {other!r} on stage {stage} (rank {pipe.ranks[stage]}). {DIFFERENT_LOSS_CAUSES}"
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Lightning's, keeping the loss it returns: the stages compare it before the next step."""
+        output = super().training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        self._last_loss = loss.detach() if isinstance(loss, Tensor) else None
+        return output
 
     def _take_first_stages_outer_layers(self, digests: Tensor, when: str) -> None:
         """Collective over the pipeline where ``digests`` (of the layers outside the backbone, one per stage) differ:

@@ -131,6 +131,26 @@ def different_learning_rates(rank: int, world_size: int, cause: str) -> None:
         _fit(M.Net(), world_size, [HalveRateOnRankZero()], max_steps=-1, max_epochs=2)
 
 
+class PenaltyOverParameters(M.Net):
+    """An L2 penalty over ``self.parameters()`` added to the loss: during a fit, this rank's stage and the head.
+    ``last_only``: in the last training step alone, so that only the check at the end of training can see it."""
+
+    def __init__(self, last_only: bool) -> None:
+        super().__init__()
+        self.last_only = last_only
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if not self.last_only or self.trainer.global_step == self.trainer.max_steps - 1:
+            loss = loss + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
+        return loss
+
+
+def penalized_loss(rank: int, world_size: int, when: str) -> None:
+    L.seed_everything(0, verbose=False)
+    _fit(PenaltyOverParameters(last_only=when == "last step"), world_size)
+
+
 def fp16_fit(rank: int, world_size: int) -> None:
     """``16-mixed`` with a GradScaler, which the strategy refuses at setup on every rank."""
     from lightning.pytorch.plugins.precision import MixedPrecision

@@ -118,6 +118,19 @@ def test_stages_whose_learning_rates_differ_stop_before_the_next_step_naming_the
         assert "ReduceLROnPlateau" in error and "@rank_zero_only" in error
 
 
+@pytest.mark.parametrize(
+    "when, which", [("every step", "the training step before batch 1"), ("last step", "training batch 4")]
+)
+def test_a_loss_that_depends_on_the_stage_stops_every_rank_naming_both_losses(when, which):
+    # a penalty over self.parameters() adds each stage's own part: the logged loss was stage 0's part only
+    outcome = run_processes(W.penalized_loss, 2, when, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    for error in outcome.errors:
+        assert error.startswith(f"PipelineError: The pipeline's stages computed different losses in {which}: "), error
+        assert "on stage 0 (rank 0) but" in error and "on stage 1 (rank 1)" in error
+        assert "self.parameters()" in error and "weight_decay" in error
+
+
 def test_16_mixed_is_refused_at_setup_pointing_to_bf16_mixed():
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     trainer = L.Trainer(strategy=GPipeStrategy(), devices=1, plugins=[plugin], **M.trainer_kwargs(max_steps=1))

@@ -21,7 +21,16 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["DIFFERENT_SETTINGS_CAUSES", "digest", "first_difference", "optimizer_settings"]
+__all__ = [
+    "DIFFERENT_LOSS_CAUSES",
+    "DIFFERENT_SETTINGS_CAUSES",
+    "NO_LOSS",
+    "digest",
+    "first_difference",
+    "loss_bits",
+    "losses_apart",
+    "optimizer_settings",
+]
 
 #: Why the stages' optimizer settings can differ, and what to do instead.
 DIFFERENT_SETTINGS_CAUSES = (
@@ -33,6 +42,43 @@ DIFFERENT_SETTINGS_CAUSES = (
     "or count the model before `fit`), or code under `@rank_zero_only` or `if trainer.is_global_zero:` that "
     "changes a learning rate: change it on every rank."
 )
+
+#: Why the stages' losses can differ, and what to do instead.
+DIFFERENT_LOSS_CAUSES = (
+    "Every stage computes the loss from the same backbone output with the same layers outside it, so the loss "
+    "used something that each stage holds differently. Usually that is a sum over `self.parameters()` (an L2 or L1 "
+    "penalty, a weight norm), which during a fit holds only this rank's stage of the backbone: each stage adds its "
+    "own part, the loss that is logged is one stage's, and a loss scaled by such a value trains each stage "
+    "differently. Use the optimizer's `weight_decay` for an L2 penalty, or compute penalties over layers outside the "
+    "backbone only (every stage holds those whole); the loss must not depend on which stage computes it."
+)
+#: :func:`loss_bits` of a step that returned no loss (manual optimization, a skipped batch): not compared.
+NO_LOSS = -(2**63)
+
+
+def loss_bits(loss: Optional[torch.Tensor]) -> int:
+    """The loss's value as float64 bits in an int64, to ride in a gather of int64 digests; :data:`NO_LOSS` if none."""
+    if loss is None or loss.numel() != 1:
+        return NO_LOSS
+    bits = int(torch.tensor(float(loss), dtype=torch.float64).view(torch.int64))
+    return bits if bits != NO_LOSS else NO_LOSS + 1  # -0.0's bits: still a loss
+
+
+def losses_apart(bits: Sequence[int], rtol: float = 1e-6, atol: float = 1e-8) -> Optional[tuple[int, float, float]]:
+    """The first stage whose loss (:func:`loss_bits`, one per stage in stage order) differs from the first stage's,
+    with both values; None where they agree, or where a stage had none.
+
+    The stages compute the same loss from the same output, bit for bit on the CPU; the tolerance lets a device's
+    kernels that are not deterministic through, and nothing that a penalty over one stage's parameters adds.
+    """
+    if NO_LOSS in bits:
+        return None
+    values = torch.tensor(list(bits), dtype=torch.int64).view(torch.float64)
+    close = torch.isclose(values, values[:1].expand_as(values), rtol=rtol, atol=atol, equal_nan=True)
+    if bool(close.all()):
+        return None
+    stage = int((~close).nonzero()[0])
+    return stage, float(values[0]), float(values[stage])
 
 
 def _plain(value: Any) -> Any:
