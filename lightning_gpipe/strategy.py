@@ -669,7 +669,7 @@ class GPipeStrategy(ParallelStrategy):
         settings.
 
         Called last before the step (the strategy's ``on_train_batch_start`` comes after the callbacks' and the
-        module's). One gather over the pipeline carries three digests per stage:
+        module's). One gather over the pipeline carries four digests per stage:
 
         - the random state (torch's, Python's, NumPy's). A call that draws on some ranks only, such as a
           ``@rank_zero_only`` callback that picks samples to log, leaves the stages' generators apart; what
@@ -687,6 +687,10 @@ class GPipeStrategy(ParallelStrategy):
           differ, every stage takes the first stage's copy (the one rank-zero-only code changed, as on one
           device), and the first time a warning names the tensors. The check reads each of those tensors once
           per step (CRC-32 on the CPU: 0.26-0.38 ms per MB on CPU-2, so 0.7 ms for a 2 MB head).
+        - the loss the last ``training_step`` returned. Every stage computes it from the same backbone output with
+          the same layers outside it, so a difference means that the loss depends on the stage: a penalty over
+          ``self.parameters()``, which holds one stage during a fit, adds each stage's own part, the logged loss is
+          stage 0's part and a loss scaled by it trains the stages apart. Every stage raises, naming both values.
         """
         pipe, trainer = self.pipe, self._trainer()
         if pipe is None or pipe.group is None or trainer is None or not self._active():
@@ -767,8 +771,8 @@ class GPipeStrategy(ParallelStrategy):
             return
         stage, first, other = found
         raise PipelineError(
-            f"The pipeline's stages computed different losses in {which}: {first!r} on stage 0 (rank {pipe.ranks[0]}) "
-            f"but {other!r} on stage {stage} (rank {pipe.ranks[stage]}). {DIFFERENT_LOSS_CAUSES}"
+            f"The pipeline's stages computed different losses in {which}: {first:.7g} on stage 0 (rank "
+            f"{pipe.ranks[0]}) but {other:.7g} on stage {stage} (rank {pipe.ranks[stage]}). {DIFFERENT_LOSS_CAUSES}"
         )
 
     @override
