@@ -82,7 +82,7 @@ from lightning_gpipe.engine.failure import (
     destroy_process_groups_at_exit,
     exit_without_finalizers,
 )
-from lightning_gpipe.engine.gradients import clip_grad_norm_
+from lightning_gpipe.engine.gradients import clip_grad_norm_, stage_norm_keys
 from lightning_gpipe.engine.host_malloc import keep_freed_memory
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
 from lightning_gpipe.engine.outer_layers import OuterLayers
@@ -761,6 +761,23 @@ class GPipeStrategy(ParallelStrategy):
         self._refuse_different_losses(digests[:, 1], f"training batch {self._batch_idx}")
         self._take_first_stages_outer_layers(digests[:, 0], when)
 
+    def _refuse_stage_grad_norms(self, when: str) -> None:
+        """Raise where this rank logged gradient norms of its stage alone (Lightning's ``grad_norm`` during a fit
+        over several stages): the logger would write the first stage's norms, and their total, as the model's."""
+        pipe, trainer = self.pipe, self._trainer()
+        if pipe is None or pipe.group is None or trainer is None:
+            return
+        found = stage_norm_keys(trainer.callback_metrics)
+        if found:
+            shown = ", ".join(f"`{k}`" for k in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+            raise PipelineError(
+                f"{when}, rank {self.global_rank} (stage {pipe.stage}) had logged {shown}: gradient norms in the form "
+                "of Lightning's `grad_norm`, which during a fit over several stages sees only this rank's stage. The "
+                "logger writes rank 0's values, so the logged norms would miss the other stages' layers and the "
+                "total would be the first stage's. Log `lightning_gpipe.grad_norm(self, norm_type)` instead (the "
+                "same arguments and keys, the whole model's values), on every rank."
+            )
+
     def _refuse_different_losses(self, bits: Tensor, which: str) -> None:
         """Every stage raises alike where the losses their last ``training_step`` returned (``bits``, one per stage,
         gathered) differ: the loss depended on the stage that computed it."""
@@ -799,6 +816,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        self._refuse_stage_grad_norms("At the end of training")
         self._agree_on_outer_layers("At the end of training")
 
     @override
@@ -1028,6 +1046,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_idx = batch_idx
+        self._refuse_stage_grad_norms(f"Before training batch {batch_idx}")
         self._check_balance()
         for loader in self._loaders:  # resumed mid-epoch: go on as if never stopped
             if hasattr(loader, "restore_random_state"):

@@ -151,6 +151,20 @@ def penalized_loss(rank: int, world_size: int, when: str) -> None:
     _fit(PenaltyOverParameters(last_only=when == "last step"), world_size)
 
 
+class LightningsGradNorm(M.Net):
+    """Logs Lightning's ``grad_norm`` (of this rank's stage during a fit) from ``on_before_optimizer_step``."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+def stage_grad_norms(rank: int, world_size: int) -> None:
+    L.seed_everything(0, verbose=False)
+    _fit(LightningsGradNorm(), world_size)
+
+
 def fp16_fit(rank: int, world_size: int) -> None:
     """``16-mixed`` with a GradScaler, which the strategy refuses at setup on every rank."""
     from lightning.pytorch.plugins.precision import MixedPrecision

@@ -131,6 +131,16 @@ def test_a_loss_that_depends_on_the_stage_stops_every_rank_naming_both_losses(wh
         assert "self.parameters()" in error and "weight_decay" in error
 
 
+def test_lightnings_grad_norm_logged_in_a_pipeline_stops_every_rank_pointing_to_the_whole_model_one():
+    # each rank's norms are its own stage's; the logger wrote rank 0's as the model's norms, and a smaller total
+    outcome = run_processes(W.stage_grad_norms, 2, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    for rank, error in enumerate(outcome.errors):
+        expected = f"PipelineError: Before training batch 1, rank {rank} (stage {rank}) had logged "
+        assert error.startswith(expected), error
+        assert "`grad_2.0_norm/" in error and "lightning_gpipe.grad_norm(self, norm_type)" in error
+
+
 def test_16_mixed_is_refused_at_setup_pointing_to_bf16_mixed():
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     trainer = L.Trainer(strategy=GPipeStrategy(), devices=1, plugins=[plugin], **M.trainer_kwargs(max_steps=1))

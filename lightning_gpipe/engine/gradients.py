@@ -12,6 +12,7 @@ Without a pipeline they are exactly torch's and Lightning's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Optional, Union
 
@@ -21,7 +22,13 @@ from torch import Tensor, nn
 from lightning_gpipe.engine import clipping, distributed
 from lightning_gpipe.engine.pipe import GPipe, live_pipes
 
-__all__ = ["clip_grad_norm_", "grad_norm", "owning_pipe"]
+__all__ = ["clip_grad_norm_", "grad_norm", "owning_pipe", "stage_norm_keys"]
+
+#: Every key :func:`grad_norm` has returned in this process: a logged key of the same form that is not among them
+#: came from Lightning's ``grad_norm`` (or code that names norms as it does), which sees one stage.
+_whole_model_keys: set[str] = set()
+#: Keys in the form of Lightning's ``grad_norm``: ``grad_{norm_type}_norm`` then ``_total`` or a separator and a name.
+_NORM_KEY = re.compile(r"^grad_(?:[0-9.]+(?:e[+-]?[0-9]+)?|inf)_norm")
 
 
 def owning_pipe(parameters: list[Tensor]) -> Optional[GPipe]:
@@ -171,4 +178,14 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separa
             norms[f"{prefix}{name}"] = item.grad.data.norm(p)
     if norms:  # as Lightning computes it, so that the total is bit for bit the one-device one
         norms[f"grad_{p}_norm_total"] = torch.tensor(list(norms.values())).norm(p)
+    _whole_model_keys.update(norms)
     return norms
+
+
+def stage_norm_keys(logged: Iterable[str]) -> list[str]:
+    """The keys of ``logged`` (metric names) that look like gradient norms but that :func:`grad_norm` did not make.
+
+    During a fit over several stages those are Lightning's ``grad_norm`` of one stage: the norms of this rank's
+    layers and a total over them only, which the logger writes as the model's.
+    """
+    return sorted(k for k in logged if _NORM_KEY.match(k) and k not in _whole_model_keys)
