@@ -9,7 +9,7 @@ per data-parallel shard, each sample once; with one pipeline, one file, as on on
 
 Only the writing is skipped, not the callback's hooks. A writer that calls a collective over every rank inside
 ``write_on_*`` (``trainer.strategy.barrier()``) waits for stages that never come: the deadlock check ends every
-rank with an error that names the wait (``docs/compatibility.md``).
+rank with an error that names the wait.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ def _skipped(*args: Any, **kwargs: Any) -> None:
     """A writer's ``write_on_*`` on a stage other than the first: its pipeline's first stage writes the same."""
 
 
-def write_once_per_pipeline(trainer: "pl.Trainer", first_stage: bool) -> list[str]:
+def write_once_per_pipeline(trainer: "pl.Trainer", first_stage: bool) -> None:
     """Make the trainer's ``BasePredictionWriter`` callbacks write on the first stage of each pipeline only.
 
-    ``first_stage``: whether this rank is one. Returns the writers' class names (on every rank).
+    ``first_stage``: whether this rank is one.
     """
-    writers = [c for c in trainer.callbacks if isinstance(c, BasePredictionWriter)]  # type: ignore[attr-defined]
-    if not first_stage:
-        for writer in writers:  # instance attributes: the class's methods, the user's code, stay as they are
+    if first_stage:
+        return
+    for writer in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(writer, BasePredictionWriter):  # instance attributes: the user's class stays as it is
             writer.write_on_batch_end = _skipped  # type: ignore[method-assign]
             writer.write_on_epoch_end = _skipped  # type: ignore[method-assign]
-    return [type(w).__name__ for w in writers]

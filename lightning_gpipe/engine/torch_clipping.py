@@ -30,6 +30,7 @@ import torch.nn.utils.clip_grad as torch_clip_grad
 from torch import Tensor
 
 from lightning_gpipe.engine import clipping
+from lightning_gpipe.engine.gradients import owning_pipe
 from lightning_gpipe.engine.pipe import GPipe, live_pipes, on_pipeline_built
 
 __all__ = ["route_torch_clip_grad_norm", "routed"]
@@ -69,20 +70,12 @@ def route_torch_clip_grad_norm() -> bool:
 
 
 def _pipeline(grads: list[Tensor]) -> Optional[GPipe]:
-    """The live pipeline of several stages whose norm to join, as :func:`~.gradients.owning_pipe` picks it."""
-    pipes = [pipe for pipe in live_pipes() if pipe.group is not None]
-    if len(pipes) <= 1:
-        return pipes[0] if pipes else None
+    """The live pipeline whose norm to join: :func:`~.gradients.owning_pipe` of the parameters that hold ``grads``."""
     ids = {id(g) for g in grads}
-    holders = [pipe for pipe in pipes if any(id(p.grad) in ids for p in pipe.parameters() if p.grad is not None)]
-    if len(holders) == 1:
-        return holders[0]
-    raise ValueError(
-        f"torch.nn.utils.clip_grad_norm_ was called while this process has {len(pipes)} live GPipe pipelines, and "
-        f"the gradients belong to {'none' if not holders else len(holders)} of them, so which stages' norm to join "
-        "is ambiguous. Call lightning_gpipe.clip_grad_norm_(..., pipe=<the GPipe>) instead, or close() the "
-        "pipelines no longer used."
-    )
+    held: list[Tensor] = [
+        p for pipe in live_pipes() for p in pipe.parameters() if p.grad is not None and id(p.grad) in ids
+    ]
+    return owning_pipe(held)
 
 
 def _total_norm(
