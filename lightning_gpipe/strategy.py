@@ -68,6 +68,7 @@ from lightning_gpipe.engine import distributed, microbatch, tied
 from lightning_gpipe.engine.agreement import (
     DIFFERENT_LOSS_CAUSES,
     DIFFERENT_SETTINGS_CAUSES,
+    FREED_BY_THE_DRAIN,
     digest,
     first_difference,
     loss_bits,
@@ -924,6 +925,18 @@ class GPipeStrategy(ParallelStrategy):
         return super().batch_to_device(batch, device, dataloader_idx)
 
     # -- gradients -------------------------------------------------------------------------------------
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """Lightning's; where a backward meets a graph the drain freed, the error says how a pipeline gets there."""
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError as error:
+            if isinstance(error, PipelineError) or self.pipe is None or "graph a second time" not in str(error):
+                raise
+            raise RuntimeError(f"{error}\n{FREED_BY_THE_DRAIN}") from error
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -25,8 +25,16 @@ def loader(batch_size: int = 8, shuffle: bool = True, samples: int = 40) -> Data
     return DataLoader(dataset(samples), batch_size=batch_size, shuffle=shuffle)
 
 
-def mlp(dropout: float = 0.0) -> nn.Sequential:
-    """Seven layers of uneven sizes, so that parameter-count splits are uneven too."""
+def mlp(dropout: float = 0.0, inplace: bool = False) -> nn.Sequential:
+    """Seven layers of uneven sizes, so that parameter-count splits are uneven too.
+
+    ``inplace``: eight layers instead, every even one an in-place ``LeakyReLU`` (not idempotent, so one
+    applied twice shows), which :data:`INPLACE_BALANCE` puts first on every stage.
+    """
+    if inplace:
+        sizes = [FEATURES, 16, 24, 12, 8]
+        pairs = [(nn.LeakyReLU(0.1, inplace=True), nn.Linear(a, b)) for a, b in zip(sizes, sizes[1:])]
+        return nn.Sequential(*(layer for pair in pairs for layer in pair))
     layers: list[nn.Module] = [
         nn.Linear(FEATURES, 16),
         nn.Tanh(),
@@ -42,6 +50,10 @@ def mlp(dropout: float = 0.0) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+#: Splits of ``mlp(inplace=True)`` that start every stage with an in-place layer, by the number of stages.
+INPLACE_BALANCE = {1: [8], 2: [2, 6], 3: [2, 2, 4], 4: [2, 2, 2, 2]}
+
+
 class Net(L.LightningModule):
     """A backbone Sequential and a small head outside it; records what the tests compare."""
 
@@ -53,11 +65,12 @@ class Net(L.LightningModule):
         stem: bool = False,
         scheduler: bool = False,
         sync_dist: bool = False,
+        inplace: bool = False,
     ):
         super().__init__()
         self.optimizer_name, self.scheduler, self.sync_dist = optimizer, scheduler, sync_dist
         self.stem = nn.Linear(FEATURES, FEATURES) if stem else None
-        self.backbone = mlp(dropout)
+        self.backbone = mlp(dropout, inplace)
         self.head = nn.Sequential(nn.Dropout(head_dropout), nn.Linear(8, CLASSES))
         self.losses: list[float] = []
         self.first_grads: dict[str, torch.Tensor] = {}

@@ -48,6 +48,13 @@ EXTRAS = [
     Config("bf16-mixed", strategy=(("chunks", 2),), trainer=(("precision", "bf16-mixed"),)),
     Config("balance=time", model=(("stem", True),), strategy=(("chunks", 2), ("balance", "time"))),
     Config("balance=memory", strategy=(("chunks", 3), ("balance", "memory"))),
+    # Every stage starts with an in-place layer (its input is a leaf); the checkpointed micro-batches' forward
+    # must leave their stored inputs unwritten for the recompute.
+    Config(
+        "in-place layers first on every stage",
+        model=(("inplace", True), ("optimizer", "adam")),
+        strategy=(("chunks", 3), ("checkpoint", "except_last"), ("balance", "inplace")),
+    ),
     Config(
         "split backward with Adam and clipping",
         model=(("optimizer", "adam"),),
@@ -71,6 +78,8 @@ def run_config(config: Config, devices: int) -> dict[str, Any]:
     strategy = dict(config.strategy)
     if "balance" in strategy and strategy["balance"] is None:
         strategy["balance"] = uneven_balance(devices)
+    elif strategy.get("balance") == "inplace":
+        strategy["balance"] = M.INPLACE_BALANCE[devices]
     L.seed_everything(0, verbose=False)
     model = M.Net(**dict(config.model))
     trainer = L.Trainer(strategy=GPipeStrategy(**strategy), devices=devices, **M.trainer_kwargs(**dict(config.trainer)))

@@ -146,9 +146,33 @@ class PenaltyOverParameters(M.Net):
         return loss
 
 
+class KeepsAuxiliary(torch.nn.Tanh):
+    """A Tanh that keeps a term of its output for the loss, as a mixture-of-experts layer keeps its balancing loss."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.auxiliary = out.pow(2).mean()
+        return out
+
+
+class AuxiliaryFromTheBackbone(M.Net):
+    """Adds the terms its backbone's Tanh layers kept (both Tanh: any split of two stages puts them apart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone[1], self.backbone[5] = KeepsAuxiliary(), KeepsAuxiliary()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 1e-2 * sum(m.auxiliary for m in self.modules() if isinstance(m, KeepsAuxiliary))
+
+
 def penalized_loss(rank: int, world_size: int, when: str) -> None:
     L.seed_everything(0, verbose=False)
-    _fit(PenaltyOverParameters(last_only=when == "last step"), world_size)
+    if when == "auxiliary":
+        _fit(AuxiliaryFromTheBackbone(), world_size)
+    else:
+        _fit(PenaltyOverParameters(last_only=when == "last step"), world_size)
 
 
 class LightningsGradNorm(M.Net):

@@ -78,6 +78,7 @@ def test_every_chunks_checkpoint_mode_and_optimizer_matches_one_device(stages, p
         "gradient accumulation",
         "explicit uneven balance",
         "split backward with Adam and clipping",
+        "in-place layers first on every stage",
     ],
 )
 def test_layers_outside_the_backbone_clipping_accumulation_uneven_splits_and_the_split_drain_match_one_device(

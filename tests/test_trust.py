@@ -129,6 +129,18 @@ def test_a_loss_that_depends_on_the_stage_stops_every_rank_naming_both_losses(wh
         assert error.startswith(f"PipelineError: The pipeline's stages computed different losses in {which}: "), error
         assert "on stage 0 (rank 0) but" in error and "on stage 1 (rank 1)" in error
         assert "self.parameters()" in error and "weight_decay" in error
+        assert "auxiliary loss" in error and "from the backbone's output" in error
+
+
+def test_a_loss_that_adds_a_term_a_backbone_layer_kept_ends_every_rank_saying_how_a_pipeline_meets_a_freed_graph():
+    # One device trains such a model; in a pipeline the drain has freed the layer's graph before the term's
+    # backward reaches it, and torch's own error ("backward through the graph a second time") does not say why.
+    outcome = run_processes(W.penalized_loss, 2, "auxiliary", timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    for error in outcome.errors:
+        assert "Trying to backward through the graph a second time" in error, error
+        assert "a tensor that a backbone layer kept during its forward (an auxiliary loss" in error
+        assert "Compute such a term from the backbone's output" in error
 
 
 def test_lightnings_grad_norm_logged_in_a_pipeline_stops_every_rank_pointing_to_the_whole_model_one():

@@ -22,6 +22,7 @@ from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.rng import isolated_rng
 from lightning_gpipe.engine.skip import SkipKey, SkipTracker, find_skips, use_tracker
+from lightning_gpipe.engine.stage_input import enter
 
 __all__ = ["COST_KINDS", "LayerCosts", "profile_layers", "state_bytes"]
 
@@ -135,7 +136,10 @@ def profile_layers(
     # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
     with isolated_rng(device), torch.enable_grad():
         for sweep in range(0 if count else 1, 1 + repeats):
-            x = microbatch.map_tensors(lambda t: t.detach().to(device).requires_grad_(t.requires_grad), sample)
+            # a copy: an in-place first layer would write the sample, which every sweep starts from
+            x = microbatch.map_tensors(
+                lambda t: t.detach().to(device, copy=True).requires_grad_(t.requires_grad), sample
+            )
             input_saved = [False] * len(microbatch.tensors(x))  # which inputs the layer before saved (and counted)
             waiting: dict[SkipKey, Tensor] = {}  # skips stashed by earlier layers, as fresh leaves
             for index, layer in enumerate(module):
@@ -297,7 +301,7 @@ def _forward_backward(
     synchronize(device)
     start = time.perf_counter()
     with context():
-        y = layer(x)
+        y = layer(enter(x))  # an in-place layer works on the leaf, as in the pipeline (see engine.stage_input)
     synchronize(device)
     middle = time.perf_counter()
     leaving = {k: t for k, t in tracker.stashed.items() if k in crossing}

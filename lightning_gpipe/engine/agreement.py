@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "DIFFERENT_LOSS_CAUSES",
     "DIFFERENT_SETTINGS_CAUSES",
+    "FREED_BY_THE_DRAIN",
     "NO_LOSS",
     "digest",
     "first_difference",
@@ -49,8 +50,19 @@ DIFFERENT_LOSS_CAUSES = (
     "used something that each stage holds differently. Usually that is a sum over `self.parameters()` (an L2 or L1 "
     "penalty, a weight norm), which during a fit holds only this rank's stage of the backbone: each stage adds its "
     "own part, the loss that is logged is one stage's, and a loss scaled by such a value trains each stage "
-    "differently. Use the optimizer's `weight_decay` for an L2 penalty, or compute penalties over layers outside the "
-    "backbone only (every stage holds those whole); the loss must not depend on which stage computes it."
+    "differently. Another cause is a value a backbone layer keeps during its forward (an auxiliary loss, a "
+    "mixture-of-experts balancing term read from the layer after the call): only the stage that holds the layer "
+    "computes it, and per micro-batch. Use the optimizer's `weight_decay` for an L2 penalty, compute penalties over "
+    "layers outside the backbone only (every stage holds those whole), and compute an auxiliary term from the "
+    "backbone's output; the loss must not depend on which stage computes it."
+)
+#: Why a backward through a pipeline can find a graph already freed where one device's would not.
+FREED_BY_THE_DRAIN = (
+    "In a pipeline this also happens when the loss uses a tensor that a backbone layer kept during its forward (an "
+    "auxiliary loss, a mixture-of-experts balancing term read from the layer after the call): the pipeline's "
+    "backward (the drain) has already back-propagated and freed each micro-batch's graph through that layer, and "
+    "only the stage that holds the layer has the term at all. Compute such a term from the backbone's output, or "
+    "in a layer outside the backbone."
 )
 #: :func:`loss_bits` of a step that returned no loss (manual optimization, a skipped batch): not compared.
 NO_LOSS = -(2**63)

@@ -30,15 +30,12 @@ from lightning_gpipe.engine.schedule import fill_drain
 from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
 from lightning_gpipe.engine.skip.traffic import Bundles
 from lightning_gpipe.engine.split_backward import WeightPass, inputs_first
+from lightning_gpipe.engine.stage_input import FirstStageInputs, KeptInputs, enter
 from lightning_gpipe.engine.tracer import Tracer, span
 
 __all__ = ["StageRunner"]
 
 _EVAL_CALLS = 1 << 62  # evaluation calls key their random streams from here on
-
-
-def _as_leaf(t: Tensor) -> Tensor:
-    return t.detach().requires_grad_(t.requires_grad)
 
 
 @dataclass
@@ -59,6 +56,7 @@ class _Run:
     skips_out: list[Optional[Bundles]] = field(default_factory=list)  # skips sent, by destination; None: checkpointed
     skip_out_grad: list[dict[int, bool]] = field(default_factory=list)  # which destinations send gradients back
     input_needs_grad: bool = False
+    first_inputs: FirstStageInputs = field(default_factory=FirstStageInputs)  # the first stage's input leaves
 
 
 class StageRunner:
@@ -107,6 +105,7 @@ class StageRunner:
         self.tracer: Optional[Tracer] = None
         self._modules = nn.ModuleList(m for _, m in layers)
         self._writes = ForwardWrites(self._modules)
+        self._kept = KeptInputs(stage)  # a checkpointed micro-batch's input, unwritten for its recompute
 
     def _span(self, kind: str, micro: int = -1) -> AbstractContextManager[None]:
         return span(self.tracer, kind, micro)
@@ -153,6 +152,8 @@ class StageRunner:
 
     def _run_layers(self, x: Any, call: int, micro: int, received: Bundles) -> tuple[tuple[Tensor, ...], bool, Bundles]:
         """The stage's layers on one micro-batch: its output, whether that is a tuple, and the skips it sends."""
+        x = enter(x)  # an in-place first layer works on it, as on one device (see stage_input)
+        received = {src: enter(bundle) for src, bundle in received.items()}
         tracker = SkipTracker(self.skips.keyed(received), record=True)
         with isolated_rng(self.device), use_tracker(tracker):
             for index, layer in self.layers:
@@ -202,7 +203,7 @@ class StageRunner:
             for task in fill_drain(count, self.checkpoint)[0]:
                 i = task.micro
                 if self.is_first:
-                    x = microbatch.map_tensors(_as_leaf, micro_inputs[i]) if train else micro_inputs[i]
+                    x = run.first_inputs.leaves(micro_inputs[i]) if train else micro_inputs[i]
                     in_flags = [t.requires_grad for t in microbatch.tensors(x)]
                 else:
                     message = self._recv(self.ranks[self.stage - 1], Tag("forward", call, i, run.label, fingerprint))
@@ -218,8 +219,15 @@ class StageRunner:
                 writes: AbstractContextManager[dict[int, Tensor]] = (
                     self._writes.before() if recompute else nullcontext({})  # what the recompute must replay
                 )
+                layers_x, layers_received, watched = (
+                    self._kept.for_forward(x, received) if recompute else (x, received, [])
+                )
                 with torch.set_grad_enabled(train and not recompute), self._span("forward", i), writes as buffers:
-                    y, is_tuple, leaving = self._run_layers(x, call, i, received)
+                    y, is_tuple, leaving = self._run_layers(layers_x, call, i, layers_received)
+                if recompute:
+                    self._kept.after_forward(watched, i)
+                elif train and self.is_first:
+                    run.first_inputs.pass_on_writes(i)
                 self._check_batch_dim(y, sizes[i])  # before anything leaves the stage
                 for dst, values in leaving.items():
                     self._check_batch_dim(values, sizes[i], skip_to=dst)
@@ -366,6 +374,8 @@ class StageRunner:
         with self._span("recompute", i), torch.enable_grad(), autocast, recomputing():
             with self._writes.replayed(buffers):
                 y, _, leaving = self._run_layers(run.inputs[i], run.call, i, received)
+        if self.is_first:
+            run.first_inputs.pass_on_writes(i)
         return y, leaving
 
     def _input_grads(self, run: _Run, per_micro: list[tuple[Optional[Tensor], ...]]) -> list[Optional[Tensor]]:
