@@ -25,11 +25,19 @@ def loader(batch_size: int = 8, shuffle: bool = True, samples: int = 40) -> Data
     return DataLoader(dataset(samples), batch_size=batch_size, shuffle=shuffle)
 
 
-def mlp(dropout: float = 0.0, inplace: bool = False) -> nn.Sequential:
+class StopGradient(nn.Module):
+    """``x.detach()``: the layers before it get no gradient (``.grad`` stays ``None``), as in SimSiam's target."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+def mlp(dropout: float = 0.0, inplace: bool = False, stop_gradient: bool = False) -> nn.Sequential:
     """Seven layers of uneven sizes, so that parameter-count splits are uneven too.
 
     ``inplace``: eight layers instead, every even one an in-place ``LeakyReLU`` (not idempotent, so one
-    applied twice shows), which :data:`INPLACE_BALANCE` puts first on every stage.
+    applied twice shows), which :data:`INPLACE_BALANCE` puts first on every stage. ``stop_gradient``: a
+    :class:`StopGradient` at index 2 (eight layers), which :data:`INPLACE_BALANCE` puts first on stage 1.
     """
     if inplace:
         sizes = [FEATURES, 16, 24, 12, 8]
@@ -47,10 +55,13 @@ def mlp(dropout: float = 0.0, inplace: bool = False) -> nn.Sequential:
     if dropout:
         layers.insert(2, nn.Dropout(dropout))
         layers.insert(6, nn.Dropout(dropout))
+    if stop_gradient:
+        layers.insert(2, StopGradient())
     return nn.Sequential(*layers)
 
 
-#: Splits of ``mlp(inplace=True)`` that start every stage with an in-place layer, by the number of stages.
+#: Splits of ``mlp(inplace=True)`` that start every stage with an in-place layer, by the number of stages; of
+#: ``mlp(stop_gradient=True)``, that start stage 1 with the stop-gradient.
 INPLACE_BALANCE = {1: [8], 2: [2, 6], 3: [2, 2, 4], 4: [2, 2, 2, 2]}
 
 
@@ -66,11 +77,14 @@ class Net(L.LightningModule):
         scheduler: bool = False,
         sync_dist: bool = False,
         inplace: bool = False,
+        stop_gradient: bool = False,
+        detach_output: bool = False,
     ):
         super().__init__()
         self.optimizer_name, self.scheduler, self.sync_dist = optimizer, scheduler, sync_dist
+        self.detach_output = detach_output  # the head alone learns; the backbone's .grad stays None
         self.stem = nn.Linear(FEATURES, FEATURES) if stem else None
-        self.backbone = mlp(dropout, inplace)
+        self.backbone = mlp(dropout, inplace, stop_gradient)
         self.head = nn.Sequential(nn.Dropout(head_dropout), nn.Linear(8, CLASSES))
         self.losses: list[float] = []
         self.first_grads: dict[str, torch.Tensor] = {}
@@ -78,7 +92,8 @@ class Net(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stem is not None:
             x = self.stem(x)
-        return self.head(self.backbone(x))
+        features = self.backbone(x)
+        return self.head(features.detach() if self.detach_output else features)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -102,6 +117,8 @@ class Net(L.LightningModule):
         self.optimized = [n for n, _ in self.named_parameters()]  # what the optimizer is given on this rank
         if self.optimizer_name == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        elif self.optimizer_name == "adamw":  # decays every parameter with a gradient, a zero one too (not None)
+            optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
         elif self.optimizer_name == "sgd-plain":  # keeps no state at all
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         else:
@@ -174,8 +191,10 @@ class TiedNet(Net):
     norm clipping.
     """
 
-    def __init__(self, optimizer: str = "sgd", manual: bool = False, same_layer_twice: bool = False):
-        super().__init__(optimizer=optimizer)
+    def __init__(
+        self, optimizer: str = "sgd", manual: bool = False, same_layer_twice: bool = False, detach_output: bool = False
+    ):
+        super().__init__(optimizer=optimizer, detach_output=detach_output)
         if same_layer_twice:  # one Linear object at indices 1 and 3
             shared = nn.Linear(8, 8)
             self.backbone = nn.Sequential(nn.Linear(FEATURES, 8), shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(8, 8))

@@ -67,6 +67,10 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out: dict[str, Any] = {"2x2": _fit(gpipe(), 4, sync_dist=True)}
     # both ties of the tied backbone span the two stages: summed over the stages, averaged over the replicas
     out["2x2 tied"] = _fit(gpipe(balance=[3, 4]), 4, tied=True, optimizer="adam")
+    # parameters no replica has a gradient for keep .grad = None (AdamW would decay them with a zero one): stage 0
+    # behind a stop-gradient; the whole tied backbone behind a detached output
+    out["2x2 stop gradient"] = _fit(gpipe(balance=[2, 6]), 4, stop_gradient=True, stem=True, optimizer="adamw")
+    out["2x2 tied, output detached"] = _fit(gpipe(balance=[3, 4]), 4, tied=True, optimizer="adamw", detach_output=True)
     trainer = L.Trainer(strategy=gpipe(), devices=4, **M.trainer_kwargs(max_steps=1))
     trainer.fit(M.Net(), M.loader(batch_size=BATCH))
     out["sum over replicas"] = float(trainer.strategy.reduce(torch.tensor(float(rank)), reduce_op="sum"))

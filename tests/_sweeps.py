@@ -55,6 +55,13 @@ EXTRAS = [
         model=(("inplace", True), ("optimizer", "adam")),
         strategy=(("chunks", 3), ("checkpoint", "except_last"), ("balance", "inplace")),
     ),
+    # Stage 1 starts with a stop-gradient: stage 0 and the stem get no gradient, and their .grad must stay None
+    # (AdamW would decay a zero gradient's parameter).
+    Config(
+        "a stop-gradient first on stage 1",
+        model=(("stop_gradient", True), ("stem", True), ("optimizer", "adamw")),
+        strategy=(("chunks", 3), ("balance", "inplace")),
+    ),
     Config(
         "split backward with Adam and clipping",
         model=(("optimizer", "adam"),),

@@ -167,3 +167,19 @@ def test_the_fingerprint_of_weights_tells_apart_one_ulp_a_shape_and_a_dtype_and_
     assert weights_digest([torch.ones(2, 3)]) != weights_digest([torch.ones(3, 2)])
     assert weights_digest([torch.ones(2)]) != weights_digest([torch.ones(2, dtype=torch.float64)])
     assert weights_digest([torch.ones(4, 4).t()]) == weights_digest([torch.ones(4, 4).t().contiguous()])
+
+
+def test_a_call_whose_output_is_never_back_propagated_stops_counting_as_open_once_autograd_frees_it():
+    # "no call under way" arms the check for peers' stray messages (GPipe.idle_stray); a detached backbone output
+    # (a linear probe) never drains, and must not leave that check off for the rest of the run
+    pipe = GPipe(_deep(), chunks=2)
+    out = pipe(torch.randn(4, 64))
+    assert pipe.runner.open_calls == 1
+    features = out.detach()
+    del out
+    assert pipe.runner.open_calls == 0 and features.shape == (4, 64)
+    pipe(torch.randn(4, 64)).sum().backward()
+    assert pipe.runner.open_calls == 0
+    with torch.no_grad():
+        pipe(torch.randn(4, 64))
+    assert pipe.runner.open_calls == 0

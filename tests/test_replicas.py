@@ -55,6 +55,21 @@ def test_tied_weights_in_two_replicas_of_two_stages_equal_one_device_on_the_glob
     _close(grads, reference["grads"])
 
 
+@pytest.mark.parametrize(
+    "name, model",
+    [
+        ("2x2 stop gradient", dict(stop_gradient=True, stem=True, optimizer="adamw")),
+        ("2x2 tied, output detached", dict(tied=True, optimizer="adamw", detach_output=True)),
+    ],
+)
+def test_parameters_no_replica_has_a_gradient_for_keep_none_as_on_one_device(runs, name, model):
+    reference = R.one_device_on_the_global_batch(**model)
+    assert "backbone.0.weight" not in reference["grads"]  # one device gives them no gradient at all
+    for rank in range(4):
+        _close(runs[rank][name]["weights"], reference["weights"])
+    _close({**runs[0][name]["grads"], **runs[1][name]["grads"]}, reference["grads"])
+
+
 def test_logged_metrics_are_reduced_over_the_replicas_not_the_stages(runs):
     last = (runs[0]["2x2"]["losses"][-1] + runs[2]["2x2"]["losses"][-1]) / 2
     for rank in range(4):

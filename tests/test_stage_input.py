@@ -35,7 +35,7 @@ def _grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.
 @pytest.mark.parametrize("input_needs_grad", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 def test_an_in_place_first_layer_trains_as_the_plain_sequential_in_every_checkpoint_mode(mode, input_needs_grad):
-    data = torch.randn(8, 6)
+    data = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
     x_plain = data.clone().requires_grad_(input_needs_grad)
     x_pipe = data.clone().requires_grad_(input_needs_grad)
     # the plain Sequential gets a non-leaf when the input needs grad (as behind a stem): torch refuses in-place
@@ -44,11 +44,12 @@ def test_an_in_place_first_layer_trains_as_the_plain_sequential_in_every_checkpo
     if input_needs_grad:
         input_grad = x_plain.grad
     got_out, got_grads, got_input_grad = _grads(GPipe(_inplace_net(), chunks=4, checkpoint=mode), x_pipe)
-    torch.testing.assert_close(got_out, out, atol=1e-6, rtol=0)
+    # micro-batches add their gradients in another order than the whole batch: float32 rounding, relative to size
+    torch.testing.assert_close(got_out, out, atol=1e-6, rtol=1e-6)
     for got, want in zip(got_grads, grads):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     if input_needs_grad:
-        torch.testing.assert_close(got_input_grad, input_grad, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got_input_grad, input_grad, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["always", "except_last", "keep:1"])

@@ -5,7 +5,8 @@ pipeline then averages them, as DDP would. A stage's gradients are final only af
 its last micro-batch (every micro-batch adds to every layer), so the engine arms the sync just before
 that backward: from then on, each bucket goes out as an asynchronous all-reduce as soon as all its
 gradients have been accumulated, and travels while the rest of the drain runs. ``finish`` sends what
-is left (the layers outside the backbone, unused parameters) and waits. DDP's reducer cannot be used:
+is left (the layers outside the backbone, unused parameters) and waits; a parameter no replica has a
+gradient for keeps ``.grad = None``, as under DDP. DDP's reducer cannot be used:
 it hooks the module's forward, and a stage's forward runs once per micro-batch.
 """
 
@@ -95,7 +96,11 @@ class GradientSync:
 
     def _launch(self, index: int, bucket: list[nn.Parameter]) -> None:
         self._launched.add(index)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        # After the gradients, one flag per parameter: whether this replica has a gradient for it. A parameter no
+        # replica has one for keeps ``.grad = None``, as under DDP (and on one device): an optimizer skips it, where
+        # a zero gradient would still move it (momentum, weight decay, Adam's moments).
+        has = torch.tensor([p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
+        flat = torch.cat([*((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket), has])
         flat.div_(self.size)
         self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
 
@@ -111,13 +116,16 @@ class GradientSync:
         for work, flat, bucket in self._works:
             work.wait()
             offset = 0
-            for p in bucket:
+            used = flat[-len(bucket) :].tolist()
+            for p, anywhere in zip(bucket, used):
                 value = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if not anywhere:
+                    continue  # no replica had a gradient for it
                 if p.grad is None:
                     p.grad = value.clone()
                 else:
                     p.grad.copy_(value)
-                offset += p.numel()
         self._works.clear()
         self._launched.clear()
         self._stale.clear()

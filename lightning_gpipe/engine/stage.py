@@ -8,6 +8,7 @@ gradient sent to the previous stage. Parameter gradients build up in place, as i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -93,9 +94,11 @@ class StageRunner:
         self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
         self.eval_calls = 0
-        #: Calls under way: an evaluation fill, or a training call whose drain has not finished. While there
-        #: are none, no message from a peer should wait untaken (see ``GPipe.idle_stray``).
-        self.open_calls = 0
+        self._evaluating = 0  # evaluation fills under way
+        #: Training calls whose drain has not run yet, by call number. Weak: a call whose output is never
+        #: back-propagated (a detached backbone output, a step that skips its backward) stops counting once
+        #: autograd frees its graph, and with it the run.
+        self._undrained: weakref.WeakValueDictionary[int, _Run] = weakref.WeakValueDictionary()
         #: What names the caller's current context in every message (Lightning: the running hook), so that
         #: stages that make their calls from different places fail at once. Plain PyTorch: nothing.
         self.label: Callable[[], str] = lambda: ""
@@ -106,6 +109,12 @@ class StageRunner:
         self._modules = nn.ModuleList(m for _, m in layers)
         self._writes = ForwardWrites(self._modules)
         self._kept = KeptInputs(stage)  # a checkpointed micro-batch's input, unwritten for its recompute
+
+    @property
+    def open_calls(self) -> int:
+        """Calls under way: evaluation fills, and training calls that may still drain. While there are none, no
+        message from a peer should wait untaken (see ``GPipe.idle_stray``)."""
+        return self._evaluating + len(self._undrained)
 
     def _span(self, kind: str, micro: int = -1) -> AbstractContextManager[None]:
         return span(self.tracer, kind, micro)
@@ -125,21 +134,20 @@ class StageRunner:
             # evaluation calls count apart, so that validating does not move the training's random streams
             call = _EVAL_CALLS + self.eval_calls
             self.eval_calls += 1
-            self.open_calls += 1
+            self._evaluating += 1
             try:
                 return microbatch.from_tuple(*self._fill(batch, _Run(call, (False, torch.float32), label), train=False))
             finally:
-                self.open_calls -= 1
+                self._evaluating -= 1
         call = self.calls
         self.calls += 1
         leaves = microbatch.tensors(batch)
         anchor = torch.empty(0, device=self.device, requires_grad=True)  # see _Bridge
         box: dict[str, Any] = {"label": label}
-        self.open_calls += 1  # until the drain ends
         try:
             values = _Bridge.apply(self, batch, call, box, anchor, *leaves)
         except BaseException:
-            self.open_calls -= 1
+            self._undrained.pop(call, None)
             raise
         return microbatch.from_tuple(values, box["is_tuple"])
 
@@ -340,10 +348,10 @@ class StageRunner:
                     weights = inputs_first([o for o, _ in pairs], [d for _, d in pairs], needing)
                 if pairs and weights is None:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
-                leaves = microbatch.tensors(run.inputs[i])
-                dx = tuple(
-                    (t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None for t in leaves
-                )
+                # None where no gradient reached an input (a stop-gradient, a branch this call did not use): zeros
+                # would make the upstream stage's parameters' .grad zeros instead of None, and an optimizer steps a
+                # parameter with a zero gradient (momentum, weight decay, Adam's moments) but skips one with None
+                dx = tuple(t.grad if t.requires_grad else None for t in microbatch.tensors(run.inputs[i]))
             if not self.is_first and run.in_grad[i]:
                 tag = Tag("gradient", run.call, i, run.label)
                 self._send(self.ranks[self.stage - 1], dx, [False] * len(dx), True, tag)
@@ -384,7 +392,7 @@ class StageRunner:
         tag = Tag("input gradient", run.call, -1, run.label)
         if run.input_needs_grad:
             if self.is_first:
-                grads = [None if col[0] is None else torch.cat(col) for col in zip(*per_micro)]
+                grads = [_join(col, run.sizes) for col in zip(*per_micro)]
                 for rank in self.ranks[1:]:
                     self._send(rank, grads, [False] * len(grads), True, tag)
             else:
@@ -393,6 +401,16 @@ class StageRunner:
             with self._span("wait"):
                 self.channels.flush()
         return grads
+
+
+def _join(per_micro: tuple[Optional[Tensor], ...], sizes: list[int]) -> Optional[Tensor]:
+    """An input's gradient over the batch from its micro-batches': ``None`` if none got one, else zeros for those."""
+    present = next((g for g in per_micro if g is not None), None)
+    if present is None:
+        return None
+    return torch.cat(
+        [g if g is not None else present.new_zeros((n, *present.shape[1:])) for g, n in zip(per_micro, sizes)]
+    )
 
 
 class _Bridge(torch.autograd.Function):
@@ -408,6 +426,7 @@ class _Bridge(torch.autograd.Function):
         kind = runner.device.type
         run = _Run(call, (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)), box["label"])
         run.input_needs_grad = any(t.requires_grad for t in leaves)
+        runner._undrained[call] = run  # open until the drain ends, or autograd frees the graph without one
         with runner._span("fill"):
             values, box["is_tuple"] = runner._fill(batch, run, train=True)
         ctx.runner, ctx.run, ctx.num_leaves = runner, run, len(leaves)
@@ -433,5 +452,5 @@ class _Bridge(torch.autograd.Function):
                 if ctx.runner.after_drain is not None:
                     ctx.runner.after_drain()
         finally:
-            ctx.runner.open_calls -= 1
+            ctx.runner._undrained.pop(run.call, None)
         return (None, None, None, None, None, *input_grads)

@@ -199,19 +199,25 @@ class TiedCopies:
             for j, (tie, _) in enumerate(copies):
                 if any(bool(other[j] != everyone[0][j]) for other in everyone):
                     self._diverged(tie, ranks, [int(other[j]) for other in everyone])
-            flat = torch.cat([self._pending_or_zeros(p).reshape(-1) for _, p in copies])
+            # and one flag per copy: whether this holder has a gradient for it; one that no holder has a gradient for
+            # keeps .grad = None, as on one device (an optimizer skips it; a zero gradient would still move it)
+            has = torch.tensor([self._pending[id(p)] is not None for _, p in copies], dtype=copies[0][1].dtype)
+            flat = torch.cat([*(self._pending_or_zeros(p).reshape(-1) for _, p in copies), has.to(copies[0][1].device)])
             dist.all_reduce(flat, group=group)
             if self.replicas > 1:
                 flat.div_(self.replicas)
             offset = 0
-            for _, p in copies:
+            used = flat[-len(copies) :].tolist()
+            for (_, p), anywhere in zip(copies, used):
                 total = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
+                self._pending[id(p)] = None
+                if not anywhere:
+                    continue
                 if p.grad is None:
                     p.grad = total.clone()
                 else:
                     p.grad.add_(total)
-                self._pending[id(p)] = None
 
     def _pending_or_zeros(self, p: nn.Parameter) -> Tensor:
         pending = self._pending[id(p)]

@@ -74,7 +74,6 @@ class StageSkips:
 
     @staticmethod
     def input_grads(bundles: Mapping[int, tuple[Tensor, ...]], src: int) -> tuple[Optional[Tensor], ...]:
-        """The gradients of the skips received from ``src`` after the backward: zeros where a skip got none."""
-        return tuple(
-            (t.grad if t.grad is not None else t.new_zeros(t.shape)) if t.requires_grad else None for t in bundles[src]
-        )
+        """The gradients of the skips received from ``src`` after the backward: ``None`` where a skip got none (the
+        stash's stage then back-propagates nothing for it, as one device would)."""
+        return tuple(t.grad if t.requires_grad else None for t in bundles[src])
