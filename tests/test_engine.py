@@ -183,3 +183,12 @@ def test_a_call_whose_output_is_never_back_propagated_stops_counting_as_open_onc
     with torch.no_grad():
         pipe(torch.randn(4, 64))
     assert pipe.runner.open_calls == 0
+
+
+def test_input_gradients_join_to_none_where_no_micro_batch_got_one_and_to_zeros_where_some_did_not():
+    from lightning_gpipe.engine.stage import _join
+
+    assert _join((None, None), [2, 3]) is None  # the layer before the backbone gets no gradient, as on one device
+    got = torch.ones(2, 4)
+    joined = _join((got, None), [2, 3])
+    assert joined.shape == (5, 4) and torch.equal(joined[:2], got) and not joined[2:].any()
