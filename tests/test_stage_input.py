@@ -109,3 +109,18 @@ def test_a_write_to_the_first_stages_input_fails_a_stem_that_saved_it_as_on_one_
     pipe = GPipe(backbone, chunks=4, checkpoint="never")
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         pipe(stem(torch.randn(8, 6))).sum().backward()
+
+
+def test_a_batch_of_a_tensor_subclass_still_trains_through_the_pipeline():
+    # the first stage aliases plain tensors' memory; a subclass (as some libraries' batches are) keeps detach()
+    class Tagged(torch.Tensor):
+        pass
+
+    data = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+    pipe = GPipe(_inplace_net(), chunks=4, checkpoint="except_last")
+    plain = _inplace_net()
+    got_out, got_grads, _ = _grads(pipe, data.clone().as_subclass(Tagged))
+    out, grads, _ = _grads(plain, data.clone())
+    torch.testing.assert_close(got_out.as_subclass(torch.Tensor), out, atol=1e-6, rtol=1e-6)
+    for got, want in zip(got_grads, grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -102,9 +102,21 @@ class KeptInputs:
 
 
 def _alias(t: Tensor) -> Tensor:
-    """A leaf on ``t``'s memory with a version counter of its own (``detach()`` would share ``t``'s)."""
-    alias = torch.empty(0, dtype=t.dtype, device=t.device)
-    alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    """A leaf on ``t``'s memory with a version counter of its own (``detach()`` would share ``t``'s), of ``t``'s class.
+
+    A layout other than strided (sparse), or a tensor without storage of its own (a wrapper subclass), keeps
+    ``detach()``: it has no plain storage to alias.
+    """
+    try:
+        if t.layout != torch.strided:
+            raise TypeError(t.layout)
+        storage = t.untyped_storage()
+        alias = torch.empty(0, dtype=t.dtype, device=t.device)
+        alias.set_(storage, t.storage_offset(), t.size(), t.stride())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return t.detach().requires_grad_(t.requires_grad)
+    if type(t) is not Tensor:
+        alias = alias.as_subclass(type(t))
     return alias.requires_grad_(t.requires_grad)
 
 
