@@ -332,6 +332,10 @@ def bf16_true() -> Scenario:
     return Scenario(Base(), trainer={"precision": "bf16-true"})
 
 
+def half_true() -> Scenario:
+    return Scenario(Base(), trainer={"precision": "16-true"})
+
+
 def loop_limits() -> Scenario:
     """Lightning's loop settings: fewer batches, validation every other epoch, sanity batches before fit."""
     settings = {"max_epochs": 3, "limit_train_batches": 3, "limit_val_batches": 1, "check_val_every_n_epoch": 2}
@@ -591,6 +595,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         best_checkpoint,
         double_precision,
         bf16_true,
+        half_true,
     )
 }
 

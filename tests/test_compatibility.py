@@ -188,16 +188,20 @@ def test_test_validate_and_predict_with_ckpt_path_best_load_the_one_device_check
         _same_evaluations(got["record"], want["record"])
 
 
-def test_bf16_true_tracks_the_one_device_run_within_a_bfloat16_rounding(runs):
-    # the weights and their gradients are bfloat16: a stage adds its micro-batches' gradients in bfloat16, which
-    # rounds otherwise than one device's whole-batch gradient (measured: at most 1 unit in the last place)
+@pytest.mark.parametrize(
+    "name, dtype, unit", [("bf16_true", torch.bfloat16, 2**-8), ("half_true", torch.float16, 2**-10)]
+)
+def test_bf16_true_and_16_true_track_the_one_device_run_within_a_rounding(runs, name, dtype, unit):
+    # the weights and their gradients are bfloat16 (float16): a stage adds its micro-batches' gradients in that
+    # type, which rounds otherwise than one device's whole-batch gradient (measured, max |dw|: 2.0e-3 in bfloat16,
+    # 3.7e-4 in float16, relative 7.4e-3 and 2.4e-3: a unit or two in the last place)
     reference, pipelined = runs
-    want = reference["bf16_true"]
-    for got in (rank["bf16_true"] for rank in pipelined):
+    want = reference[name]
+    for got in (rank[name] for rank in pipelined):
         assert (got["steps"], got["epochs"]) == (want["steps"], want["epochs"])
         assert list(got["weights"]) == list(want["weights"])
         for key, value in want["weights"].items():
-            assert value.dtype == got["weights"][key].dtype == torch.bfloat16, key
-            torch.testing.assert_close(got["weights"][key], value, rtol=2**-7, atol=2**-9, msg=key)
+            assert value.dtype == got["weights"][key].dtype == dtype, key
+            torch.testing.assert_close(got["weights"][key], value, rtol=2 * unit, atol=unit / 2, msg=key)
         for key, value in want["metrics"].items():
-            torch.testing.assert_close(got["metrics"][key].float(), value.float(), rtol=2**-6, atol=0, msg=key)
+            torch.testing.assert_close(got["metrics"][key].float(), value.float(), rtol=4 * unit, atol=0, msg=key)
