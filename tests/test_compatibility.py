@@ -189,7 +189,9 @@ def test_test_validate_and_predict_with_ckpt_path_best_load_the_one_device_check
 
 
 @pytest.mark.parametrize(
-    "name, dtype, unit", [("bf16_true", torch.bfloat16, 2**-8), ("half_true", torch.float16, 2**-10)]
+    "name, dtype, unit",
+    [("bf16_true", torch.bfloat16, 2**-8), ("half_true", torch.float16, 2**-10)],
+    ids=["bf16_true", "half_true"],
 )
 def test_bf16_true_and_16_true_track_the_one_device_run_within_a_rounding(runs, name, dtype, unit):
     # the weights and their gradients are bfloat16 (float16): a stage adds its micro-batches' gradients in that
