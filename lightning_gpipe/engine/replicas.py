@@ -19,9 +19,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["GradientSync", "broadcast_from_first_replica"]
+__all__ = ["GradientSync", "broadcast_from_first_replica", "with_presence"]
 
 _BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def with_presence(grads: list[Optional[Tensor]], params: list[nn.Parameter]) -> Tensor:
+    """``params``' gradients flat for a sum over ranks (zeros for ``None``), then one flag each: 1 where a gradient is.
+
+    After the sum, a parameter whose flag is 0 had no gradient on any rank: it keeps ``.grad = None``, as under
+    DDP and on one device. An optimizer skips a ``None`` gradient but steps a zero one (momentum, weight decay,
+    Adam's moments). Read the flags as ``flat[-len(params):]``.
+    """
+    flags = torch.tensor([g is not None for g in grads], dtype=params[0].dtype, device=params[0].device)
+    return torch.cat(
+        [*((g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)), flags]
+    )
 
 
 def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
@@ -96,11 +109,7 @@ class GradientSync:
 
     def _launch(self, index: int, bucket: list[nn.Parameter]) -> None:
         self._launched.add(index)
-        # After the gradients, one flag per parameter: whether this replica has a gradient for it. A parameter no
-        # replica has one for keeps ``.grad = None``, as under DDP (and on one device): an optimizer skips it, where
-        # a zero gradient would still move it (momentum, weight decay, Adam's moments).
-        has = torch.tensor([p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
-        flat = torch.cat([*((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket), has])
+        flat = with_presence([p.grad for p in bucket], bucket)
         flat.div_(self.size)
         self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
 

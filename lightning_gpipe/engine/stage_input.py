@@ -108,13 +108,13 @@ def _alias(t: Tensor) -> Tensor:
     ``detach()``: it has no plain storage to alias.
     """
     try:
-        if t.layout != torch.strided:
-            raise TypeError(t.layout)
-        storage = t.untyped_storage()
-        alias = torch.empty(0, dtype=t.dtype, device=t.device)
-        alias.set_(storage, t.storage_offset(), t.size(), t.stride())
-    except (RuntimeError, NotImplementedError, TypeError):
+        storage = t.untyped_storage() if t.layout == torch.strided else None
+    except (RuntimeError, NotImplementedError):
+        storage = None
+    if storage is None:
         return t.detach().requires_grad_(t.requires_grad)
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    alias.set_(storage, t.storage_offset(), t.size(), t.stride())
     if type(t) is not Tensor:
         alias = alias.as_subclass(type(t))
     return alias.requires_grad_(t.requires_grad)

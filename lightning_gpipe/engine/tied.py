@@ -26,6 +26,7 @@ from lightning_gpipe.engine.distributed import backend_for, new_group
 from lightning_gpipe.engine.failure import PipelineError
 from lightning_gpipe.engine.microbatch import as_bits
 from lightning_gpipe.engine.partition import stage_bounds
+from lightning_gpipe.engine.replicas import with_presence
 from lightning_gpipe.engine.topology import PipeLayout
 
 __all__ = ["Tie", "TiedCopies", "canonical_names", "find_ties", "refuse_ties_outside", "untie"]
@@ -199,10 +200,8 @@ class TiedCopies:
             for j, (tie, _) in enumerate(copies):
                 if any(bool(other[j] != everyone[0][j]) for other in everyone):
                     self._diverged(tie, ranks, [int(other[j]) for other in everyone])
-            # and one flag per copy: whether this holder has a gradient for it; one that no holder has a gradient for
-            # keeps .grad = None, as on one device (an optimizer skips it; a zero gradient would still move it)
-            has = torch.tensor([self._pending[id(p)] is not None for _, p in copies], dtype=copies[0][1].dtype)
-            flat = torch.cat([*(self._pending_or_zeros(p).reshape(-1) for _, p in copies), has.to(copies[0][1].device)])
+            params = [p for _, p in copies]
+            flat = with_presence([self._pending[id(p)] for p in params], params)  # None where no holder has one
             dist.all_reduce(flat, group=group)
             if self.replicas > 1:
                 flat.div_(self.replicas)
@@ -218,10 +217,6 @@ class TiedCopies:
                     p.grad = total.clone()
                 else:
                     p.grad.add_(total)
-
-    def _pending_or_zeros(self, p: nn.Parameter) -> Tensor:
-        pending = self._pending[id(p)]
-        return pending if pending is not None else torch.zeros_like(p)
 
     def _diverged(self, tie: Tie, ranks: list[int], sums: list[int]) -> None:
         pipe = len(ranks) // self.replicas
