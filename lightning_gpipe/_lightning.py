@@ -265,11 +265,32 @@ def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
         "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
     )
     combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, mode)
+    # A loader's own generators (``DataLoader(generator=g)``, a sampler's) draw the shuffle and the workers'
+    # base seed when an iterator starts. Only the rank that profiles takes this batch: put them back, or
+    # its next epoch would be shuffled and augmented apart from the other stages' (and from one device's).
+    generators = _generators_of(combined.flattened)
+    states = [g.get_state() for g in generators]
     try:
         batch, _, _ = next(iter(combined))
     except StopIteration:
         return None
+    finally:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
     return batch, step, f"{name} dataloader"
+
+
+def _generators_of(loaders: list[Any]) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a loader, its sampler and its batch sampler hold (each once)."""
+    found: dict[int, torch.Generator] = {}
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        holders = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+        for holder in holders:
+            generator = getattr(holder, "generator", None)
+            if isinstance(generator, torch.Generator):
+                found[id(generator)] = generator
+    return list(found.values())
 
 
 def _counts(pipe: GPipe) -> tuple[int, int]:

@@ -9,9 +9,11 @@ the model, the step, collectives, data, checkpoints, failure and teardown.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Literal, NoReturn, Optional, Union
 
 import lightning.pytorch as pl
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torchmetrics
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -1045,7 +1048,9 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Make the training loader resumable mid-epoch (see :mod:`lightning_gpipe.checkpointing.resumable`)."""
+        """Seed every loader's workers by replica; make the training loader resumable mid-epoch (see
+        :mod:`lightning_gpipe.checkpointing.resumable`)."""
+        self._seed_workers_by_replica(dataloader)
         trainer = self._trainer()
         if trainer is None or not trainer.training or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader
@@ -1055,6 +1060,20 @@ class GPipeStrategy(ParallelStrategy):
             self._loader_position = None
         self._loaders = [loader]
         return loader
+
+    def _seed_workers_by_replica(self, dataloader: object) -> None:
+        """``seed_everything(seed, workers=True)`` (LightningCLI's default): each worker's seeds from the replica.
+
+        Lightning gives each DataLoader worker seeds mixed from the process's global rank, right after this
+        hook, so that data-parallel ranks draw different augmentations. The stages of one pipeline are
+        different global ranks of one replica: with those seeds their random transforms differ, and the
+        first step stops on the batch check. Set first, Lightning keeps this one (it adds its own only
+        where ``worker_init_fn`` is None): Lightning's own function, given the replica's index, so a
+        pipeline draws one device's augmentations and replicas draw DDP's.
+        """
+        if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
+            replica = self.layout.replica_of(self.global_rank)
+            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=replica)  # type: ignore[attr-defined]
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:

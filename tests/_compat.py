@@ -469,6 +469,28 @@ class Augmented(TensorDataset):
         return x + 0.1 * torch.randn(x.shape), y
 
 
+class AugmentedInWorkers(TensorDataset):
+    """A random transform that draws from torch, Python and NumPy in DataLoader workers (flips, noise, scales)."""
+
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]:
+        x, y = super().__getitem__(index)
+        x = x.flip(0) if random.random() < 0.5 else x
+        return x * float(np.random.uniform(0.8, 1.2)) + 0.1 * torch.randn(x.shape), y
+
+
+def workers_seeded_by_lightning() -> Scenario:
+    """``seed_everything(0, workers=True)`` (what LightningCLI calls) with augmentation in 2 workers, shuffled.
+
+    The loader's own generator draws the workers' base seed, as on one device; without it the base seed
+    comes from the global generator, which Lightning's DDP leaves elsewhere than one device does.
+    """
+    L.seed_everything(0, workers=True, verbose=False)  # run()'s own call, plus Lightning's worker seeding
+    data = AugmentedInWorkers(*_data().tensors)
+    generator = torch.Generator().manual_seed(5)
+    train = DataLoader(data, batch_size=BATCH, shuffle=True, num_workers=2, generator=generator)
+    return Scenario(Base(), train=train)
+
+
 def rank_zero_random_draws() -> Scenario:
     data = _data()
     train = DataLoader(Augmented(*data.tensors), batch_size=BATCH)
@@ -591,6 +613,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         clipping_hook,
         metric_collection,
         rank_zero_random_draws,
+        workers_seeded_by_lightning,
         rank_zero_weight_changes,
         best_checkpoint,
         double_precision,

@@ -79,6 +79,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "clipping_hook",
         "metric_collection",
         "rank_zero_random_draws",
+        "workers_seeded_by_lightning",
         "rank_zero_weight_changes",
         "double_precision",
     ],
@@ -164,9 +165,13 @@ def test_csv_logger_and_learning_rate_monitor_write_the_one_device_rows_on_rank_
             assert float(row[key]) == pytest.approx(float(value), abs=1e-6), key
 
 
-def test_metrics_over_two_replicas_of_two_stages_equal_ddp_over_two_processes():
-    ddp = run_ok(_compat.ddp, 2, ["metrics"], timeout=600)
-    pipelined = run_ok(_compat.pipelined_replicas, 4, ["metrics"], timeout=600)
+def test_metrics_and_seeded_workers_over_two_replicas_of_two_stages_equal_ddp_over_two_processes():
+    names = ["metrics", "workers_seeded_by_lightning"]
+    ddp = run_ok(_compat.ddp, 2, names, timeout=600)
+    pipelined = run_ok(_compat.pipelined_replicas, 4, names, timeout=600)
+    # each replica's workers draw the augmentations of the DDP rank of the same index: the same weights
+    for rank, got in enumerate(r["workers_seeded_by_lightning"] for r in pipelined):
+        assert _same_weights(got["weights"], ddp[rank // 2]["workers_seeded_by_lightning"]["weights"]) <= 1e-6
     want = ddp[0]["metrics"]
     assert want["record"]["samples_seen"] == [32.0, 64.0]  # the sum over both data-parallel ranks
     for rank, got in enumerate(r["metrics"] for r in pipelined):
