@@ -360,6 +360,34 @@ class GPipeStrategy(ParallelStrategy):
         if self.world_size > 1:
             self._board.watch_deadlocks(after=self.failure_timeout + DEADLOCK_MARGIN)
             self._board.start(self.watchdog_grace, self.failure_timeout)
+            self._start_from_first_stages_random_state()
+
+    def _start_from_first_stages_random_state(self) -> None:
+        """Every stage takes its pipeline's first stage's random state, before Lightning's setup hooks run.
+
+        A script without ``seed_everything`` draws other numbers in each process. What the setup hooks draw
+        then (a DataModule's unseeded ``random_split``, a model made in ``configure_model``) would differ per
+        stage: the stages would load other data, and the batch check stop them, where one device trains. The
+        first stage's process is the one device: every stage takes its state (torch's, Python's, NumPy's), as
+        each replica's stages do later in the fit (:meth:`_take_first_stages_state`). A seeded script
+        already agrees: one gather of a digest, nothing more.
+        """
+        assert self._mesh is not None
+        group = self._mesh.get_group("pp")
+        state = get_rng_state(self.root_device, everything=True)
+        watch = self._watch("a comparison of the stages' random states at setup", whole_pipeline=False)
+        mine = torch.tensor([digest(state)], dtype=torch.int64, device=self.root_device)
+        digests = distributed.all_gather(mine, group, watch)
+        if bool((digests == digests[0]).all()):
+            return
+        first = self.layout.pipeline_of(self.global_rank)[0]
+        state = distributed.broadcast_object(state, first, group, watch, self.root_device)
+        set_rng_state(state, self.root_device)
+        rank_zero_info(
+            "The stages' random states differed at setup (no `seed_everything` before the Trainer?): every stage "
+            "took its pipeline's first stage's, so that what the setup hooks and the data draw (a `random_split`, "
+            "a shuffle) is drawn alike on every stage, as in one process."
+        )
 
     def _set_host_malloc(self) -> None:
         """``reuse_freed_memory`` in this process, once; logged on rank 0."""

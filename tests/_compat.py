@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, random_split
 
 FEATURES, CLASSES, SAMPLES, BATCH = 6, 3, 32, 8
 
@@ -324,6 +324,29 @@ def unseeded_initial_weights() -> Scenario:
     return Scenario(Unseeded())
 
 
+class RandomSplit(L.LightningDataModule):
+    """An unseeded ``random_split`` in ``setup`` (a common DataModule) and a shuffled training loader."""
+
+    def setup(self, stage: str) -> None:
+        self.train, self.val = random_split(_data(40), [32, 8])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=BATCH, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=BATCH)
+
+
+def unseeded_data_split() -> Scenario:
+    """A script that never seeds: each process's generators stand elsewhere when Lightning's setup hooks draw.
+    One device is rank 0's process (the DataModule goes where ``fit`` takes its loader)."""
+    module = Base()
+    torch.manual_seed(200 + PROCESS_RANK)
+    random.seed(200 + PROCESS_RANK)
+    np.random.seed(200 + PROCESS_RANK)
+    return Scenario(module, train=RandomSplit())  # type: ignore[arg-type]
+
+
 def double_precision() -> Scenario:
     return Scenario(Base(), trainer={"precision": "64-true"})
 
@@ -603,6 +626,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         throughput_monitor,
         same_trainer_after_fit,
         unseeded_initial_weights,
+        unseeded_data_split,
         loop_limits,
         overfit_batches,
         fast_dev_run,
