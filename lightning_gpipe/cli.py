@@ -181,7 +181,7 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
         if stages > len(model):
             print(f"K={stages}: skipped, the backbone has only {len(model)} layers", flush=True)
             continue
-        result = plan(model, stages, batch_size, link, max_memory=options.memory, chunks=grid)
+        result = plan(model, stages, batch_size, link, max_memory=options.memory, chunks=grid, search=True)
         choice = result.choice if result.fitting else None
         print(f"\nK={stages} (a batch of {batch_size}):\n{plan_table(result, options.rows)}", flush=True)
         report["plans"].append(

@@ -19,9 +19,12 @@ OUT_OF_STEP_CAUSES = (
 #: Why the stages of a pipeline see different batches, and how to fix it.
 DIFFERENT_BATCH_CAUSES = (
     "The stages of a pipeline must get the same batch at every step: the backbone learns from the first stage's "
-    "inputs and the last stage's targets, and the layers outside it from each rank's own. Usual causes: a Dataset "
-    "or transform that draws from Python's `random` or NumPy without a seed (call "
-    "`lightning.seed_everything(seed, workers=True)`, or seed each sample from its index); an IterableDataset "
+    "inputs and the last stage's targets, and the layers outside it from each rank's own. Usual causes: data "
+    "drawn at random before the Trainer starts, in a script that never seeds (a random subset, synthetic data: "
+    "call `lightning.seed_everything(seed)` first); a `worker_init_fn` or Dataset that seeds from the global rank "
+    "(seed from the data-parallel replica, `trainer.strategy.distributed_sampler_kwargs['rank']`, or use "
+    "`seed_everything(seed, workers=True)`, whose worker seeds the strategy takes from the replica); an "
+    "IterableDataset "
     "that yields different data on each rank (shard it by data-parallel replica, "
     "`trainer.strategy.distributed_sampler_kwargs`, never by global rank); DataLoaders of different lengths, or "
     "a sampler or DataLoader built differently, on different ranks; a random transform in the Dataset after code "

@@ -13,7 +13,15 @@ from lightning_gpipe.balancing.plan.costs import CostModel, UpdateCosts
 from lightning_gpipe.balancing.plan.link import LinkModel, measure_link
 from lightning_gpipe.balancing.plan.measure import measure_updates, micro_batch_sizes, profile_for_plan
 from lightning_gpipe.balancing.plan.replay import Prediction, StageCost, StagePrediction, StepCosts, simulate
-from lightning_gpipe.balancing.plan.search import Candidate, Plan, checkpoint_modes, chunk_grid, plan, plan_table
+from lightning_gpipe.balancing.plan.search import (
+    Candidate,
+    Plan,
+    checkpoint_modes,
+    chunk_grid,
+    faster_split,
+    plan,
+    plan_table,
+)
 
 __all__ = [
     "Candidate",
@@ -28,6 +36,7 @@ __all__ = [
     "UpdateCosts",
     "checkpoint_modes",
     "chunk_grid",
+    "faster_split",
     "measure_link",
     "measure_updates",
     "micro_batch_sizes",

@@ -51,7 +51,7 @@ def _splitter(balance: Union[str, Sequence[int]], module: nn.Sequential) -> Spli
         return lambda model, stages, size: optimal_balance(
             [s + r.activation_bytes for s, r in zip(model.state_bytes, model.layers(size))], stages
         )
-    return by_time  # "time" and "auto": the split by time is the fastest one the planner knows how to find
+    return by_time  # "time" and "auto" start from the split by time; "auto" then searches near it (`plan`)
 
 
 def choose(
@@ -72,7 +72,8 @@ def choose(
     grid = chunk_grid(batch_size) if chunks == AUTO else [min(int(chunks), batch_size)]
     model = profile_for_plan(module, sample, micro_batch_sizes(batch_size, grid), device, context=context)
     modes = checkpoint_modes if checkpoint == AUTO else (lambda m: [checkpoint])
-    result = plan(model, stages, batch_size, link, max_memory, grid, modes, splits=[_splitter(balance, module)])
+    splits = [_splitter(balance, module)]
+    result = plan(model, stages, batch_size, link, max_memory, grid, modes, splits, search=balance == AUTO)
     best = result.choice
     return (
         AutoChoice(

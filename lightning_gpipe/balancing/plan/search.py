@@ -4,13 +4,16 @@ The grid is small and each replay is a few thousand arithmetic operations, so th
 candidate rather than guess: chunks from 1 to the batch size (powers of two and the batch size), every
 checkpoint mode that differs for that many micro-batches (``always``, ``keep:N`` for each ``N``,
 ``except_last``, ``never``), and per M the splits asked for (by default the optimal split by time at
-that micro-batch size, from :func:`lightning_gpipe.engine.partition.balance`). A candidate fits when
-its largest stage's predicted peak is under the memory cap; among those that fit the fastest step wins.
+that micro-batch size, from :func:`lightning_gpipe.engine.partition.balance`). With ``search=True`` (what
+``balance="auto"`` asks) each M also tries the splits that :func:`faster_split` finds near those: a split
+by time evens out each stage's forward plus backward, while the replay weighs the phases apart. A
+candidate fits when its largest stage's predicted peak is under the memory cap; among those that fit the
+fastest step wins.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +23,7 @@ from lightning_gpipe.balancing.plan.replay import Prediction, simulate
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.partition import balance as optimal_balance
 
-__all__ = ["Candidate", "Plan", "chunk_grid", "checkpoint_modes", "plan", "plan_table"]
+__all__ = ["Candidate", "Plan", "chunk_grid", "checkpoint_modes", "faster_split", "plan", "plan_table"]
 
 #: A function from (the cost model, stages, micro-batch size) to a split; the default splits by time.
 Splitter = Callable[[CostModel, int, float], list[int]]
@@ -105,6 +108,53 @@ def checkpoint_modes(chunks: int) -> list[str]:
     return [named.get(n, f"keep:{n}") for n in range(chunks + 1)]
 
 
+def _moves(balance: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Every split that moves one layer across one boundary of ``balance`` (no stage left empty)."""
+    for j in range(len(balance) - 1):
+        for give, take in ((j, j + 1), (j + 1, j)):
+            if balance[give] > 1:
+                moved = list(balance)
+                moved[give] -= 1
+                moved[take] += 1
+                yield tuple(moved)
+
+
+def faster_split(
+    model: CostModel,
+    batch_size: int,
+    chunks: int,
+    checkpoint: str,
+    start: Sequence[int],
+    link: LinkModel = LinkModel(),
+    head: float = 0.0,
+) -> tuple[tuple[int, ...], Prediction]:
+    """The split near ``start`` whose replayed step is the shortest, and that replay: steepest descent, one layer
+    across one boundary per move, while the step gets shorter.
+
+    A split by time minimizes the largest stage's forward plus backward, which is the step only when every
+    stage's passes have the same shape. A fill-drain step pays the slowest stage of each phase apart (stage
+    0's forwards may be the slowest while stage 1's backwards are), recomputes lengthen the drain alone, and
+    the messages and the output share delay the boundaries; the replay has all of it. Each move costs one
+    replay; the descent ends at a split none of whose moves is faster (a local optimum, which for a few
+    stages around the split by time is the one that matters).
+    """
+
+    def replay(balance: tuple[int, ...]) -> Prediction:
+        return simulate(model.step_costs(balance, batch_size, chunks, head=head), checkpoint, link)
+
+    best = tuple(start)
+    predicted = replay(best)
+    while True:
+        moves = [(replay(moved), moved) for moved in _moves(best)]
+        if not moves:
+            return best, predicted
+        step, moved = min(((p.step, m) for p, m in moves), key=lambda x: x[0])
+        if step >= predicted.step * (1 - 1e-9):  # no move shortens it beyond rounding
+            return best, predicted
+        best = moved
+        predicted = next(p for p, m in moves if m == moved)
+
+
 def plan(
     model: CostModel,
     stages: int,
@@ -115,11 +165,14 @@ def plan(
     checkpoints: Optional[Callable[[int], Sequence[str]]] = None,
     splits: Sequence[Splitter] = (by_time,),
     head: float = 0.0,
+    search: bool = False,
 ) -> Plan:
     """Replay every candidate for ``stages`` devices and a batch of ``batch_size``; see the module's docstring.
 
     ``chunks`` restricts M (default :func:`chunk_grid`), ``checkpoints`` gives the modes to try for an M
     (default :func:`checkpoint_modes`), ``splits`` the ways to split (each called per micro-batch size).
+    ``search`` adds, per M, the splits :func:`faster_split` finds from each of those for the modes that
+    recompute nothing and everything (the two ends of the drain's length); every mode is replayed on them.
     """
     if stages > len(model):
         raise ValueError(f"Cannot plan {stages} stages for a backbone of {len(model)} layers.")
@@ -128,10 +181,14 @@ def plan(
     for m in grid:
         microbatch.check_chunks(m)
         size = batch_size / m
+        modes = (checkpoints or checkpoint_modes)(m)
         balances = {tuple(split(model, stages, size)) for split in splits}
+        if search:
+            ends = [mode for mode in ("never", "always") if mode in modes] or list(modes[:1])
+            balances |= {faster_split(model, batch_size, m, mode, b, link, head)[0] for b in balances for mode in ends}
         for balance in sorted(balances):
             costs = model.step_costs(balance, batch_size, m, head=head)
-            for mode in (checkpoints or checkpoint_modes)(m):
+            for mode in modes:
                 found.append(Candidate(m, mode, balance, simulate(costs, mode, link), batch_size))
     # Fastest first; on a tie the smaller peak, then fewer micro-batches.
     found.sort(key=lambda c: (round(c.prediction.step, 12), c.prediction.peak_memory, c.chunks))
