@@ -55,6 +55,7 @@ from lightning_gpipe._subclass import copy_as
 from lightning_gpipe.balancing.check import BalanceCheck, ComputeTally, compare
 from lightning_gpipe.balancing.plan.auto import AUTO, AutoChoice, choose
 from lightning_gpipe.balancing.plan.link import LinkModel, measure_link
+from lightning_gpipe.balancing.plan.search import searched_split
 from lightning_gpipe.balancing.profiling import COST_KINDS, LayerCosts, profile_layers
 from lightning_gpipe.balancing.sample import NoSampleError, backbone_sample
 from lightning_gpipe.checkpointing import model_state, optim_state
@@ -137,12 +138,16 @@ class GPipeStrategy(ParallelStrategy):
             metrics and the random state is put back, and its ``self.log`` calls log nothing (other
             state it keeps itself, a Python counter say, does see the extra call). The chosen split is
             logged on rank 0. ``"auto"``: the split the planner predicts fastest (see ``chunks="auto"``).
-            ``None`` (the default) is ``"time"``, but one stage is not profiled (there is nothing to
-            split) and a backbone that gives no sample micro-batch is split by ``"params"`` with a
-            warning instead of an error. Time is the default because a parameter count says little about
-            compute: on the VGG-style stack of ``benchmarks/trainer.py`` (parameters grow 16-fold from the
-            first block to the last, compute does not) the ``"params"`` split ran at 0.56 of the ideal
-            speed-up and the ``"time"`` split at 0.64. The split never changes what is learned.
+            ``None`` (the default) is ``"time"``, then the split near it that the planner's replay of a
+            step (from the same profile) predicts 2% faster or more, if any (frozen first layers keep their
+            forward and lose their backward, which a split by time weighs together; see
+            :func:`~lightning_gpipe.balancing.plan.search.searched_split`); one stage is not profiled
+            (there is nothing to split) and a backbone that gives no sample micro-batch is split by
+            ``"params"`` with a warning instead of an error. Time is the default because a parameter
+            count says little about compute: on the VGG-style stack of ``benchmarks/trainer.py``
+            (parameters grow 16-fold from the first block to the last, compute does not) the ``"params"``
+            split ran at 0.56 of the ideal speed-up and the ``"time"`` split at 0.64. The split never
+            changes what is learned.
         chunks: micro-batches per batch (``M``); a batch of fewer samples (a short last batch, a
             validation batch of 1) gets one micro-batch per sample. Results do not depend on the number
             of stages; with random layers (dropout) they do depend on ``chunks``, which keys the random
@@ -536,6 +541,10 @@ class GPipeStrategy(ParallelStrategy):
                 balance = balance_by_params(sequential, stages)
             else:
                 balance = optimal_balance(self.layer_costs.of(kind), stages)
+                if self._default_balance:  # the split by time, or a faster one the replay of a step finds near it
+                    balance, moved = searched_split(self.layer_costs, stages, int(self.chunks), self.checkpoint)
+                    if moved is not None:
+                        rank_zero_info(moved)
                 self._check_costs = list(self.layer_costs.time) if stages > 1 else None
                 self._train_batches = 0  # counted from this setup's first training batch
         costs = self.layer_costs

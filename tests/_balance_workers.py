@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from typing import Any
 
 import _models as M
 import lightning as L
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 class Broken(nn.Module):
@@ -26,6 +28,40 @@ class _NoSample(M.Net):
         if self.trainer.optimizers == []:  # at setup, when the split is chosen
             raise RuntimeError("no optimizers yet")
         return super().training_step(batch, batch_idx)
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        time.sleep(0.005)
+        return grad
+
+
+class _Sleep(nn.Module):
+    """5 ms in its forward or in its backward: a layer whose two passes weigh apart, measurably on any machine."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__()
+        self.phase = phase
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.phase == "forward":
+            time.sleep(0.005)
+            return x * 1.0
+        return _SleepInBackward.apply(x)
+
+
+class _PhasesApart(M.Net):
+    """Three layers heavy in the forward, then three heavy in the backward (as frozen layers before trained ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        sleeps = [_Sleep("forward") for _ in range(3)] + [_Sleep("backward") for _ in range(3)]
+        self.backbone = nn.Sequential(nn.Linear(M.FEATURES, 8), *sleeps, nn.Linear(8, 8))  # the head takes 8
 
 
 class _Records(logging.Handler):
@@ -66,7 +102,8 @@ def measured_balance(devices: int) -> dict[str, Any]:
         finally:
             logger.removeHandler(records)
         results[kind] = {"balance": chosen.balance, "costs": trainer.strategy.layer_costs, "log": records.messages}
-    for name, model in (("default", M.Net(stem=True)), ("default, no sample", _NoSample())):
+    defaults = (("default", M.Net(stem=True)), ("default, no sample", _NoSample()), ("phases apart", _PhasesApart()))
+    for name, model in defaults:
         records, chosen = _Records(), _ChosenSplit()
         logger.addHandler(records)
         try:
@@ -74,7 +111,7 @@ def measured_balance(devices: int) -> dict[str, Any]:
                 warnings.simplefilter("always")
                 L.seed_everything(0, verbose=False)
                 trainer = L.Trainer(
-                    strategy=GPipeStrategy(chunks=2),
+                    strategy=GPipeStrategy(chunks=2, checkpoint="never" if name == "phases apart" else "except_last"),
                     devices=devices,
                     callbacks=[chosen],
                     **M.trainer_kwargs(max_steps=1),

@@ -211,3 +211,16 @@ def test_profile_sum_benchmark_sets_the_summed_layer_times_beside_a_whole_pass(t
     for c in result["cells"]:
         assert all(c[k] > 0 for k in ("whole_s", "host_s", "per_layer_s", "per_layer_hooked_s", "profile_s"))
     assert "profile / whole" in output
+
+
+def test_split_search_benchmark_replays_and_measures_the_split_by_time_and_the_searched_split(tmp_path):
+    sizes = TINY[TINY.index("--device") + 2 : TINY.index("--batch-size")]  # the sizes; it runs on the CPU
+    steps = ["--image", "16", "--batch-size", "8", "--warmup", "0", "--steps", "1", "--rounds", "1", "--repeats", "1"]
+    output, result = _run(tmp_path, "split_search", *sizes, *steps, "--cases", "vgg:10", "amoebanet:2")
+    assert [c["case"] for c in result["cases"]] == ["vgg:10", "amoebanet:2"]
+    for c in result["cases"]:
+        assert sum(c["by_time"]) == sum(c["searched"]) and len(c["by_time"]) == 2
+        assert all(s > 0 for s in c["predicted_s"]) and c["predicted_gain"] >= 1.0
+        assert c["step_s"]["by_time"] and all(s > 0 for s in c["step_s"]["by_time"])
+        assert ("searched" in c["step_s"]) == (c["by_time"] != c["searched"])
+    assert "| model:frozen layers | split by time / searched |" in output

@@ -24,7 +24,7 @@ from lightning_gpipe.balancing.plan import (
     profile_for_plan,
     simulate,
 )
-from lightning_gpipe.balancing.plan.search import by_time
+from lightning_gpipe.balancing.plan.search import by_time, searched_split
 from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers
 from lightning_gpipe.engine.checkpoint import checkpointed, keep
 from lightning_gpipe.engine.schedule import bubble_fraction, fill_drain
@@ -245,6 +245,21 @@ def test_the_split_search_finds_the_fastest_replay_where_the_split_by_time_weigh
     never = lambda m: ["never"]  # noqa: E731
     assert plan(model, 3, 8, chunks=[8], checkpoints=never).choice.balance == (1, 2, 2)
     assert plan(model, 3, 8, chunks=[8], checkpoints=never, search=True).choice.balance == (1, 3, 1)
+
+
+def test_the_default_balance_moves_from_the_split_by_time_only_for_a_replayed_gain_beyond_the_noise():
+    # frozen first layers: a forward and no backward; the trained ones after them: both
+    frozen = profile(4, [3.0, 3.0, 3.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 2.0, 2.0, 2.0], [1] * 6, [1] * 6)
+    split, said = searched_split(frozen, 2, 8, "never")
+    assert by_time(CostModel([frozen]), 2, 4) == [3, 3]
+    model = CostModel([frozen])
+    steps = {b: simulate(model.step_costs(b, 32, 8), "never").step for b in _every_split(6, 2)}
+    assert tuple(split) == min(steps, key=steps.get) != (3, 3)
+    assert said is not None and f"{split}" in said and "[3, 3]" in said
+    assert searched_split(frozen, 2, 8, "never", min_gain=0.5) == ([3, 3], None)  # a gain under the threshold
+    even = profile(4, [1.0] * 6, [2.0] * 6, [1] * 6, [1] * 6)  # where the split by time is the fastest replay
+    assert searched_split(even, 3, 8, "except_last") == ([2, 2, 2], None)
+    assert searched_split(frozen, 1, 8, "never") == ([6], None)
 
 
 def test_a_cap_that_nothing_fits_is_refused_with_the_smallest_peak():

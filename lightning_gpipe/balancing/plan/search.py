@@ -20,10 +20,21 @@ from typing import Optional
 from lightning_gpipe.balancing.plan.costs import CostModel
 from lightning_gpipe.balancing.plan.link import LinkModel
 from lightning_gpipe.balancing.plan.replay import Prediction, simulate
+from lightning_gpipe.balancing.profiling import LayerCosts
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.partition import balance as optimal_balance
 
-__all__ = ["Candidate", "Plan", "chunk_grid", "checkpoint_modes", "faster_split", "plan", "plan_table"]
+__all__ = [
+    "DEFAULT_SEARCH_GAIN",
+    "Candidate",
+    "Plan",
+    "chunk_grid",
+    "checkpoint_modes",
+    "faster_split",
+    "plan",
+    "plan_table",
+    "searched_split",
+]
 
 #: A function from (the cost model, stages, micro-batch size) to a split; the default splits by time.
 Splitter = Callable[[CostModel, int, float], list[int]]
@@ -153,6 +164,37 @@ def faster_split(
             return best, predicted
         best = moved
         predicted = next(p for p, m in moves if m == moved)
+
+
+#: The predicted gain below which the default balance keeps the split by time: a profile's noise on a shared CPU.
+DEFAULT_SEARCH_GAIN = 0.02
+
+
+def searched_split(
+    costs: LayerCosts, stages: int, chunks: int, checkpoint: str, min_gain: float = DEFAULT_SEARCH_GAIN
+) -> tuple[list[int], Optional[str]]:
+    """The default balance: the split by time of one profile, or the split near it whose replayed step is at least
+    ``min_gain`` shorter (:func:`faster_split`), and a sentence saying so (``None`` where the split by time stays).
+
+    It needs nothing beyond the profile the split by time is made from: the batch is ``chunks`` micro-batches of
+    the profiled size, the link free. Measured through the Trainer on CPU-2 (``benchmarks/split_search.py``): where
+    it moves a boundary (backbones whose first layers are frozen, which keep their forward but lose their
+    backward) the step was 1.09x and 1.12x faster; where it does not, the split is the split by time.
+    """
+    by_time = optimal_balance(costs.time, stages)
+    if stages < 2 or costs.batch < 1 or len(costs.forward) != len(costs.time):
+        return by_time, None
+    model, size = CostModel([costs]), costs.batch * chunks
+    before = simulate(model.step_costs(by_time, size, chunks), checkpoint).step
+    found, predicted = faster_split(model, size, chunks, checkpoint, by_time)
+    if predicted.step > before * (1 - min_gain):
+        return by_time, None
+    return list(found), (
+        f"The replay of a step ({chunks} micro-batches of {costs.batch}, checkpoint={checkpoint!r}) predicts "
+        f"{list(found)} {before / predicted.step:.2f}x as fast as the split by time {by_time} "
+        f"({predicted.step * 1e3:.1f} against {before * 1e3:.1f} ms): the stages' forwards and backwards weigh "
+        "apart (frozen layers keep their forward, say), so the default balance takes it."
+    )
 
 
 def plan(
