@@ -6,6 +6,7 @@ monitor and the checkpoints use Lightning's public API everywhere else.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional
@@ -264,7 +265,11 @@ def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
     mode: Literal["max_size_cycle", "sequential"] = (
         "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
     )
-    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, mode)
+    combined = copy.copy(loaders) if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, mode)
+    # Each DataLoader is iterated as a shallow copy: a loader with persistent workers keeps the iterator it made,
+    # and the workers this batch started (only on the rank that profiles, before Lightning's worker seeding, and
+    # having drawn for the batches they prefetched) would serve the training's epochs on that rank alone.
+    combined.flattened = [copy.copy(x) if isinstance(x, torch.utils.data.DataLoader) else x for x in combined.flattened]
     # A loader's own generators (``DataLoader(generator=g)``, a sampler's) draw the shuffle and the workers'
     # base seed when an iterator starts. Only the rank that profiles takes this batch: put them back, or
     # its next epoch would be shuffled and augmented apart from the other stages' (and from one device's).

@@ -502,7 +502,8 @@ class AugmentedInWorkers(TensorDataset):
 
 
 def workers_seeded_by_lightning() -> Scenario:
-    """``seed_everything(0, workers=True)`` (what LightningCLI calls) with augmentation in 2 workers, shuffled.
+    """``seed_everything(0, workers=True)`` (what LightningCLI calls) with augmentation in 2 persistent workers,
+    shuffled.
 
     The loader's own generator draws the workers' base seed, as on one device; without it the base seed
     comes from the global generator, which Lightning's DDP leaves elsewhere than one device does.
@@ -510,7 +511,8 @@ def workers_seeded_by_lightning() -> Scenario:
     L.seed_everything(0, workers=True, verbose=False)  # run()'s own call, plus Lightning's worker seeding
     data = AugmentedInWorkers(*_data().tensors)
     generator = torch.Generator().manual_seed(5)
-    train = DataLoader(data, batch_size=BATCH, shuffle=True, num_workers=2, generator=generator)
+    workers = dict(num_workers=2, persistent_workers=True, generator=generator)
+    train = DataLoader(data, batch_size=BATCH, shuffle=True, **workers)
     return Scenario(Base(), train=train)
 
 
