@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import (
@@ -33,6 +34,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader
 
 from lightning_gpipe._subclass import copy_as
 from lightning_gpipe.checkpointing.model_state import meta_state_allowed
@@ -51,6 +53,7 @@ __all__ = [
     "log_to_loggers",
     "optimizers_to_device",
     "restore_finetuning_param_groups",
+    "seed_workers",
     "should_update_logs",
     "silence_sync_dist_advice",
     "silence_not_resumable_warning",
@@ -266,10 +269,7 @@ def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
         "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
     )
     combined = copy.copy(loaders) if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, mode)
-    # Each DataLoader is iterated as a shallow copy: a loader with persistent workers keeps the iterator it made,
-    # and the workers this batch started (only on the rank that profiles, before Lightning's worker seeding, and
-    # having drawn for the batches they prefetched) would serve the training's epochs on that rank alone.
-    combined.flattened = [copy.copy(x) if isinstance(x, torch.utils.data.DataLoader) else x for x in combined.flattened]
+    combined.flattened = [_fresh_copy(x) if isinstance(x, DataLoader) else x for x in combined.flattened]
     # A loader's own generators (``DataLoader(generator=g)``, a sampler's) draw the shuffle and the workers'
     # base seed when an iterator starts. Only the rank that profiles takes this batch: put them back, or
     # its next epoch would be shuffled and augmented apart from the other stages' (and from one device's).
@@ -283,6 +283,26 @@ def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
         for generator, state in zip(generators, states):
             generator.set_state(state)
     return batch, step, f"{name} dataloader"
+
+
+def _fresh_copy(loader: DataLoader) -> DataLoader:
+    """A shallow copy of ``loader`` without its persistent workers' iterator (torch's private ``_iterator``).
+
+    A loader with persistent workers keeps the iterator it makes, and reuses one it made before. Iterated
+    itself, on the one rank that profiles, its workers would start (before Lightning's worker seeding) or go on,
+    and draw for the batches they prefetch: that rank's training epochs would come from workers the other
+    stages' do not match. The copy starts workers of its own, which end with it.
+    """
+    clone = copy.copy(loader)
+    clone.__dict__["_iterator"] = None
+    return clone
+
+
+def seed_workers(dataloader: object, rank: int) -> None:
+    """Lightning's worker seeding for ``seed_everything(workers=True)`` (where ``worker_init_fn`` is unset), with
+    ``rank`` in the seeds. Private ``_auto_add_worker_init_fn``: Lightning calls it with the global rank only,
+    and has no public way to give another (see ``GPipeStrategy._seed_workers_by_replica``)."""
+    _auto_add_worker_init_fn(dataloader, rank)
 
 
 def _generators_of(loaders: list[Any]) -> list[torch.Generator]:

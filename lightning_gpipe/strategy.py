@@ -9,11 +9,9 @@ the model, the step, collectives, data, checkpoints, failure and teardown.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from functools import partial
 from typing import Any, Callable, Literal, NoReturn, Optional, Union
 
 import lightning.pytorch as pl
@@ -21,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torchmetrics
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -43,6 +40,7 @@ from lightning_gpipe._lightning import (
     launcher,
     optimizers_to_device,
     restore_finetuning_param_groups,
+    seed_workers,
     silence_not_resumable_warning,
     silence_sync_dist_advice,
     tell_swa_about_batch_norm,
@@ -540,11 +538,12 @@ class GPipeStrategy(ParallelStrategy):
                 kind = "params"
                 balance = balance_by_params(sequential, stages)
             else:
-                balance = optimal_balance(self.layer_costs.of(kind), stages)
                 if self._default_balance:  # the split by time, or a faster one the replay of a step finds near it
                     balance, moved = searched_split(self.layer_costs, stages, int(self.chunks), self.checkpoint)
                     if moved is not None:
                         rank_zero_info(moved)
+                else:
+                    balance = optimal_balance(self.layer_costs.of(kind), stages)
                 self._check_costs = list(self.layer_costs.time) if stages > 1 else None
                 self._train_batches = 0  # counted from this setup's first training batch
         costs = self.layer_costs
@@ -1105,12 +1104,10 @@ class GPipeStrategy(ParallelStrategy):
         hook, so that data-parallel ranks draw different augmentations. The stages of one pipeline are
         different global ranks of one replica: with those seeds their random transforms differ, and the
         first step stops on the batch check. Set first, Lightning keeps this one (it adds its own only
-        where ``worker_init_fn`` is None): Lightning's own function, given the replica's index, so a
+        where ``worker_init_fn`` is None): Lightning's own seeding, given the replica's index, so a
         pipeline draws one device's augmentations and replicas draw DDP's.
         """
-        if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
-            replica = self.layout.replica_of(self.global_rank)
-            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=replica)  # type: ignore[attr-defined]
+        seed_workers(dataloader, self.layout.replica_of(self.global_rank))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:

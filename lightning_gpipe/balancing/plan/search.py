@@ -159,11 +159,10 @@ def faster_split(
         moves = [(replay(moved), moved) for moved in _moves(best)]
         if not moves:
             return best, predicted
-        step, moved = min(((p.step, m) for p, m in moves), key=lambda x: x[0])
-        if step >= predicted.step * (1 - 1e-9):  # no move shortens it beyond rounding
+        fastest, moved = min(moves, key=lambda move: move[0].step)
+        if fastest.step >= predicted.step * (1 - 1e-9):  # no move shortens it beyond rounding
             return best, predicted
-        best = moved
-        predicted = next(p for p, m in moves if m == moved)
+        best, predicted = moved, fastest
 
 
 #: The predicted gain below which the default balance keeps the split by time: a profile's noise on a shared CPU.
