@@ -5,9 +5,10 @@
 #   table2  GPipe's Table 2 predicted from this GPU's profile of AmoebaNet-D (18, 256) on 224x224 images,
 #           with torchgpipe's batch and checkpoint mode per cell
 #   plan    the planner against measurement on one GPU (K=1; the measured peak is CUDA's max_memory_allocated)
+#   split   input gradients first, one stage at a time (benchmarks/split_cost.py), at micro-batches of 8 and 32
 # Results go to $OUT (default gpu-results/), a log and a JSON per check.
 #
-#   bash benchmarks/gpu.sh               # all three, at most 8 minutes on an H100
+#   bash benchmarks/gpu.sh               # all four, at most 9 minutes on an H100
 #   bash benchmarks/gpu.sh table2 plan
 set -u -o pipefail
 OUT=${OUT:-gpu-results}
@@ -16,7 +17,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)" | tee -a "$OUT/gpu.txt"
-for check in "${@:-tests table2 plan}"; do
+for check in "${@:-tests table2 plan split}"; do
   for c in $check; do
     case $c in
       tests) timeout 150 $PY -m pytest -q tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/test_cuda.log" ;;
@@ -26,7 +27,12 @@ for check in "${@:-tests table2 plan}"; do
       plan) timeout 170 $PY benchmarks/plan.py --device cuda --stages 1 --skip-table2 --models amoebanet transformer \
           --chunks 1 2 4 8 --amoebanet-layers 18 --amoebanet-filters 128 --image 32 --batch-size 64 \
           --blocks 8 --width 512 --sequence 128 --repeats 3 --out "$OUT/plan_k1.json" 2>&1 | tee "$OUT/plan_k1.log" ;;
-      *) echo "unknown check $c (tests, table2, plan)"; exit 2 ;;
+      split) for b in 64 256; do
+          timeout 100 $PY benchmarks/split_cost.py --device cuda --amoebanet-layers 18 --amoebanet-filters 128 \
+            --blocks 8 --width 512 --sequence 128 --batch-size $b --chunks 8 --out "$OUT/split_cost_$b.json" 2>&1 \
+            | tee "$OUT/split_cost_$b.log"
+        done ;;
+      *) echo "unknown check $c (tests, table2, plan, split)"; exit 2 ;;
     esac
   done
 done

@@ -224,3 +224,23 @@ def test_split_search_benchmark_replays_and_measures_the_split_by_time_and_the_s
         assert c["step_s"]["by_time"] and all(s > 0 for s in c["step_s"]["by_time"])
         assert ("searched" in c["step_s"]) == (c["by_time"] != c["searched"])
     assert "| model:frozen layers | split by time / searched |" in output
+
+
+def test_split_cost_times_both_halves_of_a_split_backward_and_estimates_the_drain_from_them(tmp_path, monkeypatch):
+    sizes = TINY[: TINY.index("--batch-size")]
+    output, result = _run(tmp_path, "split_cost", *sizes, "--batch-size", "8", "--chunks", "2", "--passes", "1",
+                          "--stages", "2", "4")  # fmt: skip
+    assert [c["micro_batch"] for c in result["cells"]] == [4, 4]
+    monkeypatch.syspath_prepend("benchmarks")
+    split_cost = __import__("split_cost")
+    for c in result["cells"]:
+        assert all(c[k] > 0 for k in ("forward", "whole", "input", "weights"))
+        assert c["predicted_gain"] == {str(k): split_cost.predicted_gain(c, k, 2) for k in (2, 4)}
+    assert "| model (second half) | forward ms | whole backward ms | input ms | weights ms |" in output
+    # the estimate on costs where it is known: no overhead, so the first stage's last input gradient comes
+    # (K - 1) * (whole - input) sooner in a step of (M + K - 1) * (forward + whole)
+    times = {"forward": 10.0, "whole": 10.0, "input": 5.0, "weights": 5.0}
+    assert split_cost.predicted_gain(times, 2, 8) == pytest.approx(180 / 175)
+    assert split_cost.predicted_gain(times, 4, 8) == pytest.approx(220 / 205)
+    # a split that costs 1 more per micro-batch than the whole backward pays it M - 1 times on the drain's path
+    assert split_cost.predicted_gain(times | {"weights": 6.0}, 2, 8) == pytest.approx(180 / (180 - 5 + 7))
