@@ -40,6 +40,7 @@ from lightning_gpipe.balancing.plan import (
     profile_for_plan,
 )
 from lightning_gpipe.engine import microbatch
+from lightning_gpipe.strategy import missing_backbone
 from lightning_gpipe.tasks import AmoebaNetClassifier, ImageDataModule
 
 __all__ = ["GPipeCLI", "main", "plan_command", "run"]
@@ -166,7 +167,10 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
     data.prepare_data()
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    backbone = module.get_submodule(name)
+    try:
+        backbone = module.get_submodule(name)
+    except AttributeError:
+        raise missing_backbone(module, name) from None
     sample, _ = backbone_sample(module, backbone, name, 1, (batch, "training_step", "train dataloader"))
     batch_size = microbatch.batch_size(sample)
     grid = options.chunks or chunk_grid(batch_size)

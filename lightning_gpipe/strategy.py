@@ -114,6 +114,36 @@ _runs = itertools.count()  # names each run's failure board; every rank counts i
 _CHECK_FROM, _CHECK_STEPS = 2, 4
 
 
+def missing_backbone(module: nn.Module, backbone: str) -> ValueError:
+    """The error for a module without the attribute ``backbone``: it names the fix, and the nn.Sequentials the
+    module does hold (see :func:`_sequentials`)."""
+    found = _sequentials(module)
+    sizes = [(path, len(seq), sum(p.numel() for p in seq.parameters())) for path, seq in found[:5]]
+    listed = ", ".join(f"`{path}` ({layers} layers, {params:,} parameters)" for path, layers, params in sizes)
+    hint = (
+        f" {type(module).__name__} holds these nn.Sequential attributes: {listed}; name the one to pipeline, as in "
+        f'GPipeStrategy(backbone="{found[0][0]}").'
+        if found
+        else ""
+    )
+    return ValueError(
+        f"{type(module).__name__} has no attribute `{backbone}`; the gpipe strategy pipelines the nn.Sequential "
+        f"found there. Assign your layers to `self.{backbone} = nn.Sequential(...)`, or name the attribute with "
+        f"GPipeStrategy(backbone=...).{hint}"
+    )
+
+
+def _sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:
+    """The outermost nn.Sequential submodules of ``module`` (none inside another), by dotted path, those with the
+    most parameters first: what a missing backbone's error offers as the ``backbone=`` to name. The strategy never
+    picks one itself, since a wrong guess (a classifier head beside the features) would pipeline the wrong part."""
+    found: list[tuple[str, nn.Sequential]] = []
+    for path, sub in module.named_modules():
+        if path and isinstance(sub, nn.Sequential) and not any(path.startswith(p + ".") for p, _ in found):
+            found.append((path, sub))
+    return sorted(found, key=lambda item: -sum(p.numel() for p in item[1].parameters()))
+
+
 class GPipeStrategy(ParallelStrategy):
     """Train the ``nn.Sequential`` at ``module.<backbone>`` as a GPipe pipeline, one stage per process.
 
@@ -425,11 +455,7 @@ class GPipeStrategy(ParallelStrategy):
             if owner is None:
                 break
         if owner is None or not hasattr(owner, name):
-            raise ValueError(
-                f"{type(module).__name__} has no attribute `{self.backbone}`; the gpipe strategy pipelines the "
-                f"nn.Sequential found there. Assign your layers to `self.{self.backbone} = nn.Sequential(...)`, or "
-                f"name the attribute with GPipeStrategy(backbone=...)."
-            )
+            raise missing_backbone(module, self.backbone)
         return owner, name
 
     def _build_pipe(self) -> GPipe:

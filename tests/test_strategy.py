@@ -154,6 +154,32 @@ def test_missing_backbone_names_the_attribute_and_the_fix():
         _fit(M.Net(), GPipeStrategy(backbone="features"))
 
 
+def test_missing_backbone_offers_the_modules_outermost_sequentials_the_largest_first():
+    class Vgg(M.Net):  # features and a classifier, as torchvision names them, and no `backbone`
+        def __init__(self):
+            super().__init__()
+            layers = list(self.backbone)
+            del self.backbone
+            self.features = nn.Sequential(nn.Sequential(*layers[:2]), *layers[2:-1])  # a Sequential inside one
+            self.classifier = nn.Sequential(layers[-1])
+
+        def forward(self, x):
+            return self.classifier(self.features(x))
+
+    model = Vgg()
+    count = {name: sum(p.numel() for p in getattr(model, name).parameters()) for name in ("features", "head")}
+    assert count["features"] > count["head"] > 0
+    with pytest.raises(ValueError) as error:
+        _fit(model, GPipeStrategy())
+    message = str(error.value)
+    assert "Vgg has no attribute `backbone`" in message
+    listed = f"Vgg holds these nn.Sequential attributes: `features` (5 layers, {count['features']:,} parameters), "
+    assert listed in message
+    assert f"`head` (2 layers, {count['head']:,} parameters)" in message and "`classifier` (1 layers" in message
+    assert message.endswith('name the one to pipeline, as in GPipeStrategy(backbone="features").')
+    assert "features.0" not in message  # the Sequential inside `features` is not offered
+
+
 def test_backbone_that_is_not_a_sequential():
     model = M.Net()
     model.backbone = nn.Linear(M.FEATURES, 8)
