@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 from typing_extensions import override
 
 from lightning_gpipe import refusals
@@ -969,6 +970,20 @@ class GPipeStrategy(ParallelStrategy):
             setattr(owner, name, cut)
             self._copies.append((owner, name, cut))
             _pair_copy(callback, copy, module, fresh=trainer.state.fn == TrainerFn.FITTING)
+        averages = _averages_of_the_backbone(module, pipe) if pipe.group is not None else []
+        for average, owner, name in averages:
+            # an AveragedModel of the module's own (an EMA made in __init__) pairs its copy with `update_parameters`'
+            # model, the backbone: cut alike, each stage averages its own layers. Made equal to the first stage's
+            # whole copy in `_sync_replicated` (as a layer outside the backbone), it stays out of those layers now.
+            sequential = getattr(owner, name)
+            if self.deferred_batch_norm:
+                DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
+            cut = StageCopy(sequential, pipe.balance, pipe.stage, self._gather_unless_failed)
+            setattr(owner, name, cut)
+            self._copies.append((owner, name, cut))
+            _pair_copy(f"the AveragedModel `{average}`", cut, pipe, fresh=False)
+        if averages:
+            self._outer = OuterLayers(module, pipe)  # without the cut copies' tensors, which differ by stage
         whole = [*module.modules(), *pipe.full_sequential().modules()]
         tell_swa_about_batch_norm(trainer, any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in whole))
 
@@ -1478,6 +1493,27 @@ class GPipeStrategy(ParallelStrategy):
                 description=f"GPipe pipeline, processes started with {start_method!r}",
                 start_method=start_method,
             )
+
+
+def _averages_of_the_backbone(module: nn.Module, pipe: GPipe) -> list[tuple[str, nn.Module, str]]:
+    """``(name, owner, attribute)`` of every copy of the backbone inside a ``torch.optim.swa_utils.AveragedModel`` of
+    ``module``'s own: an nn.Sequential with the backbone's layers, layer types and tensor shapes (``AveragedModel(
+    self.backbone)``, or the backbone's place in ``AveragedModel(self.encoder)``). ``update_parameters`` pairs such a
+    copy's tensors with the live model's one by one, and the live backbone lists one stage's."""
+    full = pipe.full_sequential()
+    shapes = [[(type(layer), t.shape) for t in [*layer.parameters(), *layer.buffers()]] for layer in full]
+    found = []
+    for average_name, average in module.named_modules():
+        if not isinstance(average, AveragedModel) or isinstance(average.module, StageCopy):
+            continue
+        for path, sequential in average.named_modules(prefix=""):
+            if not path or not isinstance(sequential, nn.Sequential) or len(sequential) != len(full):
+                continue
+            mine = [[(type(layer), t.shape) for t in [*layer.parameters(), *layer.buffers()]] for layer in sequential]
+            if mine == shapes and [type(a) for a in sequential] == [type(b) for b in full]:
+                *parent, attribute = path.split(".")
+                found.append((average_name, average.get_submodule(".".join(parent)), attribute))
+    return found
 
 
 def _pair_copy(callback: str, copy: nn.Module, module: nn.Module, fresh: bool) -> None:

@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
 FEATURES, CLASSES, SAMPLES, BATCH = 6, 3, 32, 8
@@ -607,6 +608,23 @@ def best_checkpoint() -> Scenario:
     )
 
 
+class AveragedInInit(Base):
+    """An EMA of the backbone with torch's ``AveragedModel``, made in ``__init__`` and updated after every batch (the
+    pattern of torch's docs). Its layers have equal shapes, so a copy paired with the wrong layers would not fail."""
+
+    def __init__(self) -> None:
+        layers = [layer for _ in range(3) for layer in (nn.Linear(FEATURES, FEATURES), nn.Tanh())]
+        super().__init__(nn.Sequential(*layers, nn.Linear(FEATURES, CLASSES)))
+        self.ema = AveragedModel(self.backbone, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ema.update_parameters(self.backbone)
+
+
+def averaged_model_in_init() -> Scenario:
+    return Scenario(AveragedInInit(), val=_loader(samples=16))
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (
@@ -645,6 +663,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         double_precision,
         bf16_true,
         half_true,
+        averaged_model_in_init,
     )
 }
 

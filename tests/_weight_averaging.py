@@ -120,6 +120,40 @@ def sweep(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     return results
 
 
+class CopyDuringFit(L.Callback):
+    """Weight averaging that copies the live backbone when the fit starts (a hand-written EMA callback)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.average = torch.optim.swa_utils.AveragedModel(pl_module.backbone)
+
+
+class CalledAverage(M.Net):
+    """An EMA made in ``__init__`` (which the strategy cuts like the pipe) that validation runs during the fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ema = torch.optim.swa_utils.AveragedModel(self.backbone)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.head(self.ema(x)), y))
+
+
+def average_used_during_fit(rank: int, world_size: int, copied: bool) -> None:
+    """A fit that copies the live backbone when it starts (``copied``), or runs an average made in ``__init__`` in
+    validation: each ends every rank with an error (a failed rank's process exits)."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2),
+        devices=world_size,
+        callbacks=[CopyDuringFit()] if copied else [],
+        **M.trainer_kwargs(max_steps=2, num_sanity_val_steps=1, limit_val_batches=1),
+    )
+    trainer.fit(M.Net() if copied else CalledAverage(), M.loader(), M.loader())
+
+
 def refused_pruning(world_size: int) -> dict[str, Any]:
     """ModelPruning's error on this rank, and whether any training step ran before it."""
     from lightning_gpipe import GPipeStrategy

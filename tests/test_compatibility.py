@@ -83,6 +83,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "workers_seeded_by_lightning",
         "rank_zero_weight_changes",
         "double_precision",
+        "averaged_model_in_init",
     ],
 )
 def test_feature_trains_as_on_one_device(name, runs):

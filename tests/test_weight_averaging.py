@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.launch import run_ok
+from lightning_gpipe.launch import run_ok, run_processes
 
 STAGES = 2
 RUNS = {run.name: run for run in W.RUNS}
@@ -140,6 +140,28 @@ def test_model_pruning_is_refused_at_setup_on_every_rank(pipeline):
         assert refusal["error"] is not None, f"rank {rank} was not refused"
         assert refusal["error"].startswith("ModelPruning is not supported by the gpipe strategy"), refusal["error"]
         assert "Prune after `fit`" in refusal["error"] and "torch.nn.utils.prune" in refusal["error"]
+
+
+def _ended_with(copied: bool) -> list[str]:
+    outcome = run_processes(W.average_used_during_fit, 2, copied, timeout=120)
+    assert all(code not in (None, 0) for code in outcome.exitcodes), outcome.exitcodes
+    assert outcome.seconds < 60 and all(outcome.errors), (outcome.seconds, outcome.errors)
+    return outcome.errors
+
+
+def test_a_copy_of_the_live_backbone_during_a_fit_ends_every_rank_naming_the_averaging_that_works():
+    # AveragedModel(pl_module.backbone) in a callback's on_fit_start: torch's own error named a PrefixStore
+    for rank, error in enumerate(_ended_with(copied=True)):  # each rank meets it in the same hook, before any wait
+        assert error.startswith("TypeError: A copy (copy.deepcopy, pickle) was asked of a backbone partitioned"), error
+        assert f"this process holds only stage {rank} (layers" in error
+        assert "EMAWeightAveraging" in error and "in the LightningModule's __init__" in error
+
+
+def test_an_average_made_in_init_that_runs_during_the_fit_ends_every_rank_saying_it_holds_one_stage():
+    # the strategy cut the copy like the pipe, so that update_parameters pairs each stage's layers with their copies
+    for rank, error in enumerate(_ended_with(copied=False)):
+        assert error.startswith(f"RuntimeError: This is stage {rank}'s part of a copy of the pipelined backbone"), error
+        assert "cannot run" in error and "EMAWeightAveraging" in error
 
 
 def test_weight_averaging_with_sharded_checkpoints_is_refused_at_setup():

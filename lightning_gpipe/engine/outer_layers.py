@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from lightning_gpipe.engine import distributed
 from lightning_gpipe.engine.microbatch import fingerprint
 from lightning_gpipe.engine.pipe import GPipe
+from lightning_gpipe.engine.stage_copy import StageCopy
 
 __all__ = ["OuterLayers"]
 
@@ -30,7 +31,9 @@ class OuterLayers:
     """The named parameters and buffers of ``module`` that are not ``pipe``'s (the backbone's), every stage's copy."""
 
     def __init__(self, module: nn.Module, pipe: GPipe) -> None:
-        backbone = {id(t) for t in [*pipe.parameters(), *pipe.buffers()]}
+        # the backbone's, and those of a weight average's copy of it cut like the pipe (each stage holds its own part)
+        cuts = [m for m in module.modules() if isinstance(m, StageCopy)]
+        backbone = {id(t) for part in (pipe, *cuts) for t in [*part.parameters(), *part.buffers()]}
         #: their parameters: the gradients every stage averages over its replicas besides its stage's
         self.parameters = [p for p in module.parameters() if id(p) not in backbone]
         named = [*module.named_parameters(), *module.named_buffers()]

@@ -412,6 +412,26 @@ class GPipe(nn.Module):
         finally:
             self._partial_state -= 1
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A pipeline of one process copies and pickles as a module does; one partitioned over several refuses.
+
+        ``copy.deepcopy`` and pickling both come here. A partitioned pipeline holds one stage's layers and the
+        process groups that join it to the others, which cannot be copied (torch's error names a ``PrefixStore``),
+        and a copy of one stage could not run or stand for the backbone anyway. The common caller is weight
+        averaging that copies the live model during a fit (``AveragedModel(pl_module.backbone)`` in a callback).
+        """
+        if self.layout.pipe_size > 1 and self.group is not None:
+            layers = layer_span(*stage_bounds(self.balance)[self.stage])
+            raise TypeError(
+                f"A copy (copy.deepcopy, pickle) was asked of a backbone partitioned over {self.layout.pipe_size} "
+                f"stages during a fit: this process holds only stage {self.stage} (layers {layers} of "
+                f"{self.num_layers}) and the process groups that join it to the other stages, which cannot be copied. "
+                "To average the weights, use Lightning's EMAWeightAveraging or StochasticWeightAveraging callback, or "
+                "make the AveragedModel in the LightningModule's __init__ (every stage then averages its own layers); "
+                "to copy the whole model, copy it before `fit` or after it, when the backbone is whole again."
+            )
+        return super().__reduce_ex__(protocol)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """This stage's state, under the Sequential's keys: inside :meth:`stage_state` only, when partitioned."""
         if self.layout.pipe_size > 1 and not self._partial_state:

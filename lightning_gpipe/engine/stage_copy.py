@@ -74,8 +74,9 @@ class StageCopy(nn.Module):
         raise RuntimeError(
             f"This is stage {self.stage}'s part of a copy of the pipelined backbone (a weight average's): it holds "
             f"layers {[i for i, _ in self.local_layers()]} only and cannot run. The LightningModule's backbone runs "
-            "the pipeline (swap the averaged weights into it, as the weight-averaging callbacks do); after `fit` the "
-            "copy is a whole nn.Sequential again."
+            "the pipeline (swap the averaged weights into it, as the weight-averaging callbacks do: to evaluate an "
+            "average during a fit, use Lightning's EMAWeightAveraging or StochasticWeightAveraging callback); after "
+            "`fit` the copy is a whole nn.Sequential again."
         )
 
     def _load_from_state_dict(
