@@ -327,6 +327,7 @@ class GPipeStrategy(ParallelStrategy):
             None  # a sharded checkpoint's model keys (each stage reads its own)
         )
         self._copies: list[tuple[nn.Module, str, StageCopy]] = []  # weight averages' backbones: (owner, attribute, cut)
+        self._mirrors: list[str] = []  # copies of the backbone outside it, by path (see _copies_of_the_backbone)
 
     # -- processes and ranks ---------------------------------------------------------------------------
 
@@ -870,14 +871,20 @@ class GPipeStrategy(ParallelStrategy):
     def _take_first_stages_outer_layers(self, digests: Tensor, when: str) -> None:
         """Collective over the pipeline where ``digests`` (of the layers outside the backbone, one per stage) differ:
         every stage takes the first stage's copy (:class:`OuterLayers`), and the first time rank 0 warns, saying
-        ``when`` it was found."""
+        ``when`` it was found. Where a copy of the backbone outside it differs, taking the first stage's would not
+        make it right (each stage updated its first layers from its own stage), so every stage raises instead."""
         pipe, outer = self.pipe, self._outer
         assert pipe is not None and outer is not None
-        watch = self._watch("the first stage's copy of the layers outside the backbone")
-        apart = outer.take_first_stages(digests, watch)
-        if apart and not self._outer_resynced:
+        apart = outer.apart(digests)
+        if not apart:
+            return
+        ranks = [rank for rank, d in zip(pipe.ranks, digests.tolist()) if d != digests[0].item()]
+        mirrors = [m for m in self._mirrors if any(name.startswith(m + ".") for name in apart)]
+        if mirrors:  # every stage found the same names, so every stage raises
+            raise RuntimeError(_mirror_apart(mirrors[0], ranks, pipe.ranks[0], when))
+        outer.copy_first_stages(self._watch("the first stage's copy of the layers outside the backbone"))
+        if not self._outer_resynced:
             self._outer_resynced = True
-            ranks = [rank for rank, d in zip(pipe.ranks, digests.tolist()) if d != digests[0].item()]
             rank_zero_warn(OuterLayers.describe(apart, ranks, pipe.ranks[0], when))
 
     @override
@@ -984,6 +991,7 @@ class GPipeStrategy(ParallelStrategy):
             _pair_copy(f"the AveragedModel `{average}`", cut, pipe, fresh=False)
         if averages:
             self._outer = OuterLayers(module, pipe)  # without the cut copies' tensors, which differ by stage
+        self._mirrors = [path for path, _ in _copies_of_the_backbone(module, pipe)] if pipe.group is not None else []
         whole = [*module.modules(), *pipe.full_sequential().modules()]
         tell_swa_about_batch_norm(trainer, any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in whole))
 
@@ -1495,13 +1503,46 @@ class GPipeStrategy(ParallelStrategy):
             )
 
 
+def _layer_shapes(sequential: nn.Sequential) -> list[tuple[type, list[torch.Size]]]:
+    """Each layer's type and the shapes of its parameters and buffers: what a copy of a Sequential shares with it."""
+    return [(type(layer), [t.shape for t in [*layer.parameters(), *layer.buffers()]]) for layer in sequential]
+
+
+def _copies_of_the_backbone(module: nn.Module, pipe: GPipe) -> list[tuple[str, nn.Sequential]]:
+    """The nn.Sequentials of ``module`` outside the backbone with its layers and shapes (``copy.deepcopy(
+    self.backbone)``): a momentum encoder's target, a frozen teacher, an average's copy; by dotted path."""
+    whole = _layer_shapes(pipe.full_sequential())
+    return [
+        (path, sub)
+        for path, sub in module.named_modules()
+        if isinstance(sub, nn.Sequential)
+        and not isinstance(sub, (GPipe, StageCopy))
+        and len(sub) == len(whole)
+        and _layer_shapes(sub) == whole
+    ]
+
+
+def _mirror_apart(mirror: str, ranks: list[int], first: int, when: str) -> str:
+    """The error for a copy of the backbone outside it that the stages changed apart (``_copies_of_the_backbone``)."""
+    return (
+        f"{when}, `{mirror}` differed between the stages (rank(s) {ranks} from the first stage's, rank {first}). "
+        f"`{mirror}` is a copy of the backbone outside it (the same layers and shapes), which every stage holds whole. "
+        f"Code that updates it from `self.backbone.parameters()` during a fit, such as a momentum encoder's "
+        f"`zip(self.backbone.parameters(), self.{mirror}.parameters())`, gets this rank's stage only, so each stage "
+        "wrote its own layers into the copy's first ones and no stage updated the rest: the copy would be wrong on "
+        "every stage. For an average of the backbone, make `torch.optim.swa_utils.AveragedModel(self.backbone)` in "
+        "`__init__` (the strategy cuts it like the pipe) or use `EMAWeightAveraging`; a copy updated from the backbone "
+        "and run during the fit is not supported over several stages: train it with `devices=1` or DDP."
+    )
+
+
 def _averages_of_the_backbone(module: nn.Module, pipe: GPipe) -> list[tuple[str, nn.Module, str]]:
     """``(name, owner, attribute)`` of every copy of the backbone inside a ``torch.optim.swa_utils.AveragedModel`` of
     ``module``'s own: an nn.Sequential with the backbone's layers, layer types and tensor shapes (``AveragedModel(
     self.backbone)``, or the backbone's place in ``AveragedModel(self.encoder)``). ``update_parameters`` pairs such a
     copy's tensors with the live model's one by one, and the live backbone lists one stage's."""
     full = pipe.full_sequential()
-    shapes = [[(type(layer), t.shape) for t in [*layer.parameters(), *layer.buffers()]] for layer in full]
+    whole = _layer_shapes(full)
     found = []
     for average_name, average in module.named_modules():
         if not isinstance(average, AveragedModel) or isinstance(average.module, StageCopy):
@@ -1509,8 +1550,7 @@ def _averages_of_the_backbone(module: nn.Module, pipe: GPipe) -> list[tuple[str,
         for path, sequential in average.named_modules(prefix=""):
             if not path or not isinstance(sequential, nn.Sequential) or len(sequential) != len(full):
                 continue
-            mine = [[(type(layer), t.shape) for t in [*layer.parameters(), *layer.buffers()]] for layer in sequential]
-            if mine == shapes and [type(a) for a in sequential] == [type(b) for b in full]:
+            if _layer_shapes(sequential) == whole:
                 *parent, attribute = path.split(".")
                 found.append((average_name, average.get_submodule(".".join(parent)), attribute))
     return found

@@ -7,6 +7,7 @@ spawn of two processes can run them all (``import torch`` costs seconds per proc
 
 from __future__ import annotations
 
+import copy
 import csv
 import glob
 import os
@@ -625,6 +626,25 @@ def averaged_model_in_init() -> Scenario:
     return Scenario(AveragedInInit(), val=_loader(samples=16))
 
 
+class FrozenTeacher(Base):
+    """Self-distillation: a frozen copy of the backbone, made in ``__init__``, whose outputs the loss follows. The
+    copy is a layer outside the backbone that every stage runs whole; the strategy refuses only one that the stages
+    update apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = copy.deepcopy(self.backbone).requires_grad_(False)
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        out = self.backbone(x)
+        return F.cross_entropy(out, y) + F.mse_loss(out, self.teacher(x))
+
+
+def frozen_teacher() -> Scenario:
+    return Scenario(FrozenTeacher())
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (
@@ -664,6 +684,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         bf16_true,
         half_true,
         averaged_model_in_init,
+        frozen_teacher,
     )
 }
 

@@ -5,6 +5,7 @@ Every scenario ends in a failed ``fit`` on every rank: the tests check how fast 
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import tempfile
@@ -65,6 +66,31 @@ def failing_stage_with_on_exception_checkpoint(rank: int, world_size: int, path:
         max_steps=20,
         enable_checkpointing=True,
     )
+
+
+class MomentumEncoder(M.Net):
+    """A target network: a copy of the backbone updated from it after every batch (BYOL, MoCo), by a zip over the two
+    parameter lists. All its layers have one shape, so pairing a stage's parameters with the copy's first ones
+    raises nothing in torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = M.FEATURES
+        self.backbone = torch.nn.Sequential(
+            *[layer for _ in range(3) for layer in (torch.nn.Linear(width, width), torch.nn.Tanh())]
+        )
+        self.head = torch.nn.Sequential(torch.nn.Linear(width, M.CLASSES))
+        self.target = copy.deepcopy(self.backbone).requires_grad_(False)
+
+    def on_train_batch_end(self, *args: object) -> None:
+        with torch.no_grad():
+            for online, target in zip(self.backbone.parameters(), self.target.parameters()):
+                target.mul_(0.9).add_(online, alpha=0.1)
+
+
+def momentum_encoder(rank: int, world_size: int) -> None:
+    L.seed_everything(0, verbose=False)
+    _fit(MomentumEncoder(), world_size, max_steps=4)
 
 
 class NoisyDigits(Dataset):

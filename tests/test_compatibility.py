@@ -84,6 +84,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "rank_zero_weight_changes",
         "double_precision",
         "averaged_model_in_init",
+        "frozen_teacher",
     ],
 )
 def test_feature_trains_as_on_one_device(name, runs):

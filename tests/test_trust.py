@@ -63,6 +63,17 @@ def test_a_failing_stage_under_on_exception_checkpoint_ends_every_rank_with_its_
     assert os.listdir(tmp_path) == []  # no checkpoint, partial or temporary, at its path or beside it
 
 
+def test_a_copy_of_the_backbone_updated_from_its_stage_ends_every_rank_before_the_next_step_naming_the_copy():
+    # a momentum encoder's zip pairs this rank's stage with the copy's first layers: before, the stages' copies
+    # parted, and every stage took the first stage's, whose later layers no stage had updated (with a warning)
+    outcome = run_processes(W.momentum_encoder, 2, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    for error in outcome.errors:
+        assert error.startswith("RuntimeError: Before training batch 1, `target` differed between the stages"), error
+        assert "a copy of the backbone outside it" in error and "zip(self.backbone.parameters()" in error
+        assert "AveragedModel(self.backbone)" in error and "devices=1" in error
+
+
 def _under_the_default_launcher(tmp_path, call: str) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``W.<call>`` as a script under Lightning's popen launcher (it re-runs the script per rank); its seconds."""
     script = tmp_path / "script.py"

@@ -44,22 +44,20 @@ class OuterLayers:
         """One integer for all of them, equal on stages that hold equal copies (a pass over their bytes)."""
         return fingerprint([t for _, t in self.tensors])
 
-    def take_first_stages(self, digests: Tensor, watch: Optional[distributed.Watch] = None) -> list[str]:
-        """Where ``digests`` (every stage's :meth:`fingerprint`, in stage order) differ, give every stage the first
-        stage's copy; the names of the tensors that differed (none where the digests agree). Collective over the
-        pipeline whenever the digests differ, which every stage sees alike."""
+    def apart(self, digests: Tensor) -> list[str]:
+        """The names of the tensors that differ between the stages, where ``digests`` (every stage's
+        :meth:`fingerprint`, in stage order) differ; none where they agree. Collective over the pipeline whenever
+        the digests differ, which every stage sees alike, and every stage gets the same names."""
         pipe = self.pipe
         if pipe.group is None or bool((digests == digests[0]).all()):
             return []
         every = pipe.gather([fingerprint(t) for _, t in self.tensors])
         assert every is not None  # gathered to every stage
-        apart = [name for i, (name, _) in enumerate(self.tensors) if any(o[i] != every[0][i] for o in every[1:])]
-        self.copy_first_stages(watch)
-        return apart
+        return [name for i, (name, _) in enumerate(self.tensors) if any(o[i] != every[0][i] for o in every[1:])]
 
     def copy_first_stages(self, watch: Optional[distributed.Watch] = None) -> None:
         """Give every stage the first stage's values of all of them (collective over the pipeline): at setup, and
-        where :meth:`take_first_stages` found them apart."""
+        where :meth:`apart` found them apart."""
         pipe = self.pipe
         if pipe.group is None:
             return
