@@ -645,6 +645,31 @@ def frozen_teacher() -> Scenario:
     return Scenario(FrozenTeacher())
 
 
+class HookedBackbone(Base):
+    """Hooks on the backbone Sequential itself (feature capture, activation statistics): a forward pre-hook that
+    scales its input, a forward hook and a full backward hook that keep the norms of its output and its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, Tensor] = {}
+        self.backbone.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+        self.backbone.register_forward_hook(self._output)
+        self.backbone.register_full_backward_hook(self._gradient)
+
+    def _output(self, module: nn.Module, args: Any, output: Tensor) -> None:
+        self.seen["output"] = output.detach().norm()
+
+    def _gradient(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        self.seen["gradient"] = grad_output[0].detach().norm()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.log_dict({"hooked_output": self.seen.pop("output"), "hooked_gradient": self.seen.pop("gradient")})
+
+
+def backbone_hooks() -> Scenario:
+    return Scenario(HookedBackbone())
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (
@@ -685,6 +710,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         half_true,
         averaged_model_in_init,
         frozen_teacher,
+        backbone_hooks,
     )
 }
 

@@ -85,6 +85,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "double_precision",
         "averaged_model_in_init",
         "frozen_teacher",
+        "backbone_hooks",
     ],
 )
 def test_feature_trains_as_on_one_device(name, runs):

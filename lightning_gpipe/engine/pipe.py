@@ -72,6 +72,22 @@ def refuse_lazy_layers(module: nn.Sequential) -> None:
             )
 
 
+#: The hooks of a module's call (``register_forward_hook``, ``register_forward_pre_hook``,
+#: ``register_full_backward_hook`` and ``register_full_backward_pre_hook``). A pipeline stands in for its Sequential
+#: wherever that is called, so it runs the Sequential's: around the whole pipeline, on every rank, with the input and
+#: the whole output (and their gradients), as they run around the Sequential on one device. Dropped, a hook that
+#: captures the backbone's output or logs its statistics silently never ran.
+_CALL_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
 class GPipe(nn.Module):
     """Run ``module`` as a ``K``-stage pipeline over ``K`` processes, this process holding one stage.
 
@@ -151,6 +167,9 @@ class GPipe(nn.Module):
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
         refuse_lazy_layers(module)
+        for name in _CALL_HOOKS:  # the same dicts: a hook's handle removes it from both, and the Sequential keeps it
+            setattr(self, name, getattr(module, name))
+        self._is_full_backward_hook = module._is_full_backward_hook
         rank = dist.get_rank() if distributed.is_distributed() else 0
         world = dist.get_world_size() if distributed.is_distributed() else 1
         layout = layout or PipeLayout(world, world)
