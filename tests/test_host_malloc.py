@@ -28,7 +28,7 @@ _FREED = textwrap.dedent("""
         print("outcome", keep_freed_memory())
     torch.ones(1024).sum()  # torch's first op allocates for good: before the reading, not in it
     before = resident()
-    block = torch.ones(4 * 2**20)  # 16 MiB, every page touched: an activation of one step
+    block = torch.ones(6 * 2**20)  # 24 MiB (under the 32 MiB the heap serves), every page touched: an activation
     held = resident() - before
     del block
     print("held", held, "kept", resident() - before)
@@ -49,16 +49,18 @@ def _held_and_kept(mode: str, **env: str) -> tuple[int, int, str]:
 def test_a_freed_block_stays_in_the_process_for_reuse_and_leaves_it_under_glibcs_defaults():
     held, kept, out = _held_and_kept("keep")
     assert "outcome None" in out  # applied
-    assert held > 15 * 2**20 and kept > 15 * 2**20, out  # freed, yet still resident: the next step reuses it
+    # freed, yet still resident: the next step reuses it. `held` may fall short of the block by the freed pages at the
+    # heap's top that the import left resident (1.2 MiB once the package grew): hence 2 MiB of slack
+    assert held > 22 * 2**20 and kept > 22 * 2**20, out
     held, kept, out = _held_and_kept("default")
-    assert held > 15 * 2**20 and kept < 4 * 2**20, out  # glibc's own thresholds give a 16 MiB block back at once
+    assert held > 22 * 2**20 and kept < 4 * 2**20, out  # glibc's own thresholds give a 24 MiB block back at once
 
 
 @glibc
 def test_malloc_settings_in_the_environment_are_the_users_and_stay():
     held, kept, out = _held_and_kept("keep", MALLOC_TOP_PAD_="0")
     assert "the environment sets MALLOC_TOP_PAD_" in out
-    assert held > 15 * 2**20 and kept < 4 * 2**20, out  # nothing changed: the block went back
+    assert held > 22 * 2**20 and kept < 4 * 2**20, out  # nothing changed: the block went back
 
 
 def test_the_environment_check_comes_before_any_change(monkeypatch):
