@@ -180,6 +180,18 @@ def test_missing_backbone_offers_the_modules_outermost_sequentials_the_largest_f
     assert "features.0" not in message  # the Sequential inside `features` is not offered
 
 
+def test_a_second_name_for_the_backbone_is_refused_naming_both_and_the_fix():
+    # `self.model = nn.Sequential(...); self.backbone = self.model`: a call through `model` would have run the whole
+    # Sequential outside the pipeline; the tie check named a tie of its first layer instead
+    model = M.Net()
+    model.model = model.backbone
+    with pytest.raises(ValueError) as error:
+        _fit(model, GPipeStrategy())
+    message = str(error.value)
+    assert message.startswith("`model` is the backbone itself: `model` and `backbone` are one nn.Sequential under two")
+    assert 'GPipeStrategy(backbone="model")' in message
+
+
 def test_backbone_that_is_not_a_sequential():
     model = M.Net()
     model.backbone = nn.Linear(M.FEATURES, 8)

@@ -271,6 +271,15 @@ def refuse_ties_outside(module: nn.Module, backbone: nn.Module, prefix: str) -> 
     without the layer would have to keep and update a copy it never uses in the pipeline. Moving the
     layer into the Sequential makes it an ordinary tie across stages, which is exact.
     """
+    attribute = prefix.rstrip(".")
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if sub is backbone and name != attribute:  # the parameter check below would blame a tie of its first layer
+            raise ValueError(
+                f"`{name}` is the backbone itself: `{name}` and `{attribute}` are one nn.Sequential under two names "
+                f"(an alias). The gpipe strategy puts the pipeline in `{attribute}`'s place during a fit, and a call "
+                f"through `{name}` would run the whole Sequential outside it, on every stage. Keep one name: drop the "
+                f'alias, or name the Sequential once as `{name}` and pass GPipeStrategy(backbone="{name}").'
+            )
     inside = {id(p): name for name, p in backbone.named_parameters(remove_duplicate=False)}
     for name, p in module.named_parameters(remove_duplicate=False):
         if not name.startswith(prefix) and id(p) in inside:
