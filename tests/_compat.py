@@ -670,6 +670,16 @@ def backbone_hooks() -> Scenario:
     return Scenario(HookedBackbone())
 
 
+def weight_norm_layers() -> Scenario:
+    """Weight normalization inside the backbone, both of torch's: the old one, a forward pre-hook on the layer that
+    recomputes its weight, and the parametrization. Each runs on its layer's stage, per micro-batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated, and still used
+        old = torch.nn.utils.weight_norm(nn.Linear(FEATURES, 12))
+    new = torch.nn.utils.parametrizations.weight_norm(nn.Linear(12, 12))
+    return Scenario(Base(nn.Sequential(old, nn.Tanh(), new, nn.Tanh(), nn.Linear(12, CLASSES))))
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (
@@ -711,6 +721,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         averaged_model_in_init,
         frozen_teacher,
         backbone_hooks,
+        weight_norm_layers,
     )
 }
 

@@ -86,6 +86,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "averaged_model_in_init",
         "frozen_teacher",
         "backbone_hooks",
+        "weight_norm_layers",
     ],
 )
 def test_feature_trains_as_on_one_device(name, runs):
