@@ -977,21 +977,27 @@ class GPipeStrategy(ParallelStrategy):
             setattr(owner, name, cut)
             self._copies.append((owner, name, cut))
             _pair_copy(callback, copy, module, fresh=trainer.state.fn == TrainerFn.FITTING)
-        averages = _averages_of_the_backbone(module, pipe) if pipe.group is not None else []
-        for average, owner, name in averages:
-            # an AveragedModel of the module's own (an EMA made in __init__) pairs its copy with `update_parameters`'
-            # model, the backbone: cut alike, each stage averages its own layers. Made equal to the first stage's
-            # whole copy in `_sync_replicated` (as a layer outside the backbone), it stays out of those layers now.
-            sequential = getattr(owner, name)
+        copies = _copies_of_the_backbone(module, pipe) if pipe.group is not None else []
+        averages = [path for path, m in module.named_modules() if isinstance(m, AveragedModel)]
+        self._mirrors = []
+        for path, sequential in copies:
+            average = next((a for a in averages if path.startswith(a + ".")), None)
+            if average is None:  # a plain copy: every stage holds it whole, and must keep it one (see _mirror_apart)
+                self._mirrors.append(path)
+                continue
+            # in an AveragedModel of the module's own (an EMA made in __init__), the copy pairs with the model of
+            # `update_parameters`, the backbone: cut alike, each stage averages its own layers. Made equal to the first
+            # stage's whole copy in `_sync_replicated` (as a layer outside the backbone), it leaves those layers now.
+            parent, _, name = path.rpartition(".")
+            owner = module.get_submodule(parent)
             if self.deferred_batch_norm:
                 DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
             cut = StageCopy(sequential, pipe.balance, pipe.stage, self._gather_unless_failed)
             setattr(owner, name, cut)
             self._copies.append((owner, name, cut))
             _pair_copy(f"the AveragedModel `{average}`", cut, pipe, fresh=False)
-        if averages:
+        if len(self._mirrors) < len(copies):
             self._outer = OuterLayers(module, pipe)  # without the cut copies' tensors, which differ by stage
-        self._mirrors = [path for path, _ in _copies_of_the_backbone(module, pipe)] if pipe.group is not None else []
         whole = [*module.modules(), *pipe.full_sequential().modules()]
         tell_swa_about_batch_norm(trainer, any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in whole))
 
@@ -1510,15 +1516,13 @@ def _layer_shapes(sequential: nn.Sequential) -> list[tuple[type, list[torch.Size
 
 def _copies_of_the_backbone(module: nn.Module, pipe: GPipe) -> list[tuple[str, nn.Sequential]]:
     """The nn.Sequentials of ``module`` outside the backbone with its layers and shapes (``copy.deepcopy(
-    self.backbone)``): a momentum encoder's target, a frozen teacher, an average's copy; by dotted path."""
+    self.backbone)``): a momentum encoder's target, a frozen teacher, the copy inside an ``AveragedModel`` (where
+    ``update_parameters`` pairs its tensors one by one with the live backbone's, which lists one stage's); by path."""
     whole = _layer_shapes(pipe.full_sequential())
     return [
         (path, sub)
         for path, sub in module.named_modules()
-        if isinstance(sub, nn.Sequential)
-        and not isinstance(sub, (GPipe, StageCopy))
-        and len(sub) == len(whole)
-        and _layer_shapes(sub) == whole
+        if isinstance(sub, nn.Sequential) and _layer_shapes(sub) == whole  # the backbone is the pipe now
     ]
 
 
@@ -1534,26 +1538,6 @@ def _mirror_apart(mirror: str, ranks: list[int], first: int, when: str) -> str:
         "`__init__` (the strategy cuts it like the pipe) or use `EMAWeightAveraging`; a copy updated from the backbone "
         "and run during the fit is not supported over several stages: train it with `devices=1` or DDP."
     )
-
-
-def _averages_of_the_backbone(module: nn.Module, pipe: GPipe) -> list[tuple[str, nn.Module, str]]:
-    """``(name, owner, attribute)`` of every copy of the backbone inside a ``torch.optim.swa_utils.AveragedModel`` of
-    ``module``'s own: an nn.Sequential with the backbone's layers, layer types and tensor shapes (``AveragedModel(
-    self.backbone)``, or the backbone's place in ``AveragedModel(self.encoder)``). ``update_parameters`` pairs such a
-    copy's tensors with the live model's one by one, and the live backbone lists one stage's."""
-    full = pipe.full_sequential()
-    whole = _layer_shapes(full)
-    found = []
-    for average_name, average in module.named_modules():
-        if not isinstance(average, AveragedModel) or isinstance(average.module, StageCopy):
-            continue
-        for path, sequential in average.named_modules(prefix=""):
-            if not path or not isinstance(sequential, nn.Sequential) or len(sequential) != len(full):
-                continue
-            if _layer_shapes(sequential) == whole:
-                *parent, attribute = path.split(".")
-                found.append((average_name, average.get_submodule(".".join(parent)), attribute))
-    return found
 
 
 def _pair_copy(callback: str, copy: nn.Module, module: nn.Module, fresh: bool) -> None:
