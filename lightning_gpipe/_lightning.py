@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.exceptions import _TunerExitException
@@ -48,6 +49,7 @@ __all__ = [
     "finetuning_callbacks",
     "finetuning_group_names",
     "first_batch",
+    "hand_over_dataloaders",
     "init_process_group",
     "launcher",
     "log_to_loggers",
@@ -242,27 +244,88 @@ def log_to_loggers(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
     trainer._logger_connector.log_metrics(metrics)  # type: ignore[arg-type]
 
 
-def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
-    """The first batch of the running stage's dataloader, the step that takes it, and the loader's name.
-
-    Lightning attaches the dataloaders (from ``fit(model, loader)``, a datamodule or the module's
-    hooks) to its loops before ``Strategy.setup`` but requests them only later, and it has no
-    public accessor for them: the loops' ``_data_source`` is the one way (Lightning's own
-    DeepSpeedStrategy reads it in its setup too). ``None`` if there is no dataloader or it is empty.
-    """
+def _running_loop(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
+    """The loop of the running stage (fit, validate, test, predict), its step's name and its loader's name."""
     loops = {
         TrainerFn.FITTING: (trainer.fit_loop, "training_step", "train"),
         TrainerFn.VALIDATING: (trainer.validate_loop, "validation_step", "val"),
         TrainerFn.TESTING: (trainer.test_loop, "test_step", "test"),
         TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step", "predict"),
     }
-    if trainer.state.fn not in loops:
+    return loops.get(trainer.state.fn)  # type: ignore[arg-type]
+
+
+def hand_over_dataloaders(trainer: "pl.Trainer") -> None:
+    """Build the running stage's dataloaders now, through the user's hook, and hand them to Lightning's first request.
+
+    Rank 0 profiles the backbone on the first batch during setup, before Lightning asks for the loaders. Asking
+    the user's ``*_dataloader`` hook (of the module or the datamodule) there, on rank 0 alone, called it once
+    more on that rank than on the others and on one device: a hook that counts its calls (a curriculum), or
+    joins a collective, set rank 0 apart. Every rank calls this at the same point instead, and Lightning's own
+    request then takes the loaders built here: each rank calls the hook as often as one device does (later
+    requests, ``reload_dataloaders_every_n_epochs``, call it again). The loops' ``_data_source`` is private; the
+    request is Lightning's own ``_request_dataloader``, so the loaders keep the arguments Lightning records to
+    rebuild them with its sampler.
+    """
+    running = _running_loop(trainer)
+    if running is None:
+        return
+    loop = running[0]
+    source = loop._data_source  # private: see the docstring
+    if not source.is_module() or not source.is_defined() or isinstance(vars(source).get("dataloader"), _HandedOver):
+        return
+    if _kept_loaders(loop) is not None:  # Lightning will not ask: it keeps the loaders of an earlier fit
+        return
+    source.dataloader = _HandedOver(source, _request_dataloader(source))
+
+
+def _kept_loaders(loop: Any) -> Optional[list[Any]]:
+    """The loaders a fit loop keeps from an earlier ``fit`` on the same Trainer: it requests none then.
+
+    Private: the fit loop's ``_combined_loader`` and ``_should_reload_train_dl``, the test its ``setup_data`` makes.
+    """
+    kept = getattr(loop, "_combined_loader", None)
+    if loop is not loop.trainer.fit_loop or kept is None or loop._should_reload_train_dl:
         return None
-    loop, step, name = loops[trainer.state.fn]
-    source = loop._data_source  # type: ignore[attr-defined]  # private: see the docstring
+    return list(kept.flattened)
+
+
+class _HandedOver:
+    """A loop's ``_data_source.dataloader`` until Lightning's first request: the loaders built early, once."""
+
+    def __init__(self, source: Any, loaders: Any) -> None:
+        self.source, self.loaders = source, loaders
+
+    def __call__(self) -> Any:
+        del self.source.dataloader  # back to the class's method: a later request calls the hook
+        return self.loaders
+
+
+def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
+    """The first batch of the running stage's dataloader, the step that takes it, and the loader's name.
+
+    Lightning attaches the dataloaders (from ``fit(model, loader)``, a datamodule or the module's
+    hooks) to its loops before ``Strategy.setup`` but requests them only later, and it has no
+    public accessor for them: the loops' ``_data_source`` is the one way (Lightning's own
+    DeepSpeedStrategy reads it in its setup too). Loaders from a hook are the ones
+    :func:`hand_over_dataloaders` built, not a second call of the hook. ``None`` if there is no
+    dataloader or it is empty.
+    """
+    running = _running_loop(trainer)
+    if running is None:
+        return None
+    loop, step, name = running
+    source = loop._data_source  # private: see the docstring
     if not source.is_defined():
         return None
-    loaders = source.dataloader()
+    pending = vars(source).get("dataloader")
+    kept = _kept_loaders(loop)
+    if kept is not None:
+        loaders: Any = kept
+    elif isinstance(pending, _HandedOver):
+        loaders = pending.loaders
+    else:
+        loaders = source.dataloader()
     if loaders is None:
         return None
     mode: Literal["max_size_cycle", "sequential"] = (

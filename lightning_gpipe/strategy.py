@@ -37,6 +37,7 @@ from lightning_gpipe._lightning import (
     finetuning_group_names,
     first_batch,
     graph_loggers,
+    hand_over_dataloaders,
     init_process_group,
     launcher,
     optimizers_to_device,
@@ -619,6 +620,9 @@ class GPipeStrategy(ParallelStrategy):
             )
             return outcome
 
+        trainer = self._trainer()
+        if trainer is not None:  # every rank, so that each calls a loader hook alike; rank 0 takes the first batch
+            hand_over_dataloaders(trainer)
         shared = self._from_rank_zero(plan_here)
         self.auto_choice = shared
         self.chunks = chunks if isinstance(chunks, int) else shared.chunks
@@ -641,6 +645,9 @@ class GPipeStrategy(ParallelStrategy):
             rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
             return costs
 
+        trainer = self._trainer()
+        if trainer is not None:  # every rank, so that each calls a loader hook alike; rank 0 takes the first batch
+            hand_over_dataloaders(trainer)
         return self._from_rank_zero(profile_here)
 
     def _from_rank_zero(self, compute: Callable[[], Any]) -> Any:
@@ -1059,7 +1066,9 @@ class GPipeStrategy(ParallelStrategy):
         if whole_pipeline and self.pipe is not None:
             return self.pipe.watch(doing)
         board = self._board
-        return distributed.Watching(board.raise_if_failed if board is not None else (lambda: None), doing)
+        if board is None:
+            return distributed.Watching(lambda: None, doing)
+        return distributed.Watching(board.raise_if_failed, doing, board.lost)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:

@@ -82,7 +82,8 @@ class Base(L.LightningModule):
 @dataclass
 class Scenario:
     module: L.LightningModule
-    train: DataLoader = field(default_factory=_loader)
+    #: None: the module's own ``train_dataloader`` hook; a ``CombinedLoader`` for several sources
+    train: Any = field(default_factory=_loader)
     val: Optional[DataLoader] = None
     trainer: dict[str, Any] = field(default_factory=dict)
     callbacks: list[Any] = field(default_factory=list)
@@ -724,6 +725,13 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         weight_norm_layers,
     )
 }
+
+
+# scenarios of data loading, loop settings and the Trainer's utilities, in a file of their own (it imports the
+# harness above, so it is imported once the harness exists)
+from _compat_loop import SCENARIOS as _LOOP  # noqa: E402
+
+SCENARIOS.update(_LOOP)
 
 
 # -- running them ---------------------------------------------------------------------------------------

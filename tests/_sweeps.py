@@ -217,6 +217,31 @@ class Boom(torch.nn.Module):
         return x
 
 
+class DieAfterStep(L.Callback):
+    """Ends this process with ``os._exit`` after training step 2 on ``rank``: no exception, no report."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == 2:
+            os._exit(3)
+
+
+def dying_fit(rank: int, world_size: int, victim: int) -> None:
+    """Training where ``victim`` dies between steps, while the other ranks wait in a collective of the Trainer's
+    (the per-step stop decision), not for a pipeline message. The heartbeat timeout is a minute."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2, failure_timeout=60.0),
+        devices=world_size,
+        **M.trainer_kwargs(max_steps=20, callbacks=[DieAfterStep(victim)]),
+    )
+    trainer.fit(M.Net(), M.loader())
+
+
 def failing_fit(rank: int, world_size: int, failing_rank: int) -> None:
     """Training where a layer at the end of stage ``failing_rank`` raises at its third call."""
     from lightning_gpipe import GPipeStrategy

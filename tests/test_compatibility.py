@@ -93,6 +93,71 @@ def test_feature_trains_as_on_one_device(name, runs):
     _check(name, runs)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "simple_profiler",
+        "advanced_profiler",
+        "combined_loader",
+        "batch_transfer_hooks",
+        "deterministic_algorithms",
+        "without_inference_mode",
+        "own_sampler",
+        "barebones",
+        "one_cycle_schedule",
+        "iterable_dataset",
+        "step_without_backbone",
+        "backbone_under_no_grad",
+        "frozen_backbone",
+        "frozen_last_layer",
+        "validation_every_two_steps",
+    ],
+)
+def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):
+    _check(name, runs)
+
+
+def test_device_stats_monitor_logs_the_one_device_keys_on_rank_zero(runs):
+    want, ranks = _check("device_stats", runs)
+    keys = lambda rows: sorted({k for row in rows for k in row})  # noqa: E731
+    assert any(k.startswith("DeviceStatsMonitor") for k in keys(want["logged"]))
+    assert keys(ranks[0]["logged"]) == keys(want["logged"]) and ranks[1]["logged"] is None
+
+
+def test_loaders_rebuilt_every_epoch_by_a_hook_with_a_collective_are_built_as_often_as_on_one_device(runs):
+    # rank 0 profiles the backbone on the first batch during setup: it called the hook once more than the
+    # other ranks (4 against 3), and alone, so the hook's broadcast met the other ranks' wait for the profile
+    want, ranks = _check("reloaded_every_epoch", runs)
+    assert want["record"]["loaders_built"] == 3  # once per epoch
+    assert [got["record"]["loaders_built"] for got in ranks] == [3, 3]
+
+
+def test_two_validation_loaders_log_each_loaders_value_as_on_one_device(runs):
+    want, _ = _check("two_validation_loaders", runs)  # the same keys and values on every rank
+    assert {"val_loss/dataloader_idx_0", "val_loss/dataloader_idx_1"} <= set(want["metrics"])
+
+
+def test_a_value_logged_on_rank_zero_only_equals_one_devices(runs):
+    want, ranks = _check("log_rank_zero_only", runs)
+    assert "train_loss" in want["metrics"]
+
+
+def test_min_epochs_holds_early_stopping_back_to_the_one_device_epoch(runs):
+    want, _ = _check("min_epochs", runs)  # every rank stops at the same epoch
+    assert want["epochs"] == 3  # early stopping would have stopped after the first
+
+
+def test_autocast_in_the_step_tracks_the_one_device_run_within_a_bfloat16_rounding(runs):
+    # the stages run the user's autocast (recomputed passes too: with chunks=1 every weight is equal, measured);
+    # bfloat16 matmuls over micro-batches of 4 round otherwise than over the batch of 8 (measured: 4.0e-4)
+    reference, pipelined = runs
+    want = reference["autocast_in_step"]
+    for got in (rank["autocast_in_step"] for rank in pipelined):
+        assert (got["steps"], got["epochs"]) == (want["steps"], want["epochs"])
+        assert _same_weights(got["weights"], want["weights"]) <= 2e-3
+        assert got["weights"]["backbone.0.weight"].dtype == torch.float32
+
+
 def test_outer_layers_changed_on_rank_zero_only_are_taken_from_the_first_stage_with_a_warning_naming_them(runs):
     # a rank-zero-only callback rescaled the head, and the module's own hook reset a stem statistic on rank 0: each
     # stage went on with its own copy, computing its loss and gradients from it (checked: the weights end apart)

@@ -26,6 +26,18 @@ def test_an_exception_in_one_stage_ends_every_rank_within_seconds(stages, failin
             )
 
 
+def test_a_rank_killed_outside_the_pipeline_ends_the_others_naming_its_stage_before_the_heartbeat_timeout():
+    # a rank that dies without an exception (a signal, the out-of-memory killer, os._exit) breaks the collective
+    # its peers wait in; they named gloo's "Connection reset by peer" alone, with no word of which rank was gone
+    outcome = run_processes(_sweeps.dying_fit, 2, 1, timeout=120, wait_for=[0])
+    assert outcome.exitcodes == [1, 3], (outcome.exitcodes, outcome.errors)
+    error = outcome.errors[0] or ""
+    assert error.startswith("PipelineError: Lost the connection to stage 1 (rank 1) during a decision of every rank")
+    assert "ended without reporting an error" in error and "Connection reset by peer" in error
+    ended = outcome.ended[0]
+    assert ended is not None and ended < 45  # start-up included; the heartbeat timeout is 60 s
+
+
 _UNSTOPPED_BOARD = """
 import atexit, threading, torch.distributed as dist
 from lightning_gpipe.engine.failure import FailureBoard

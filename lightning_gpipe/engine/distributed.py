@@ -44,10 +44,19 @@ Watch = Callable[[], None]
 
 
 class Watching:
-    """A :data:`Watch` that names what its collective is for, so that a deadlock's error can say it."""
+    """A :data:`Watch` that names what its collective is for, so that a deadlock's error can say it.
 
-    def __init__(self, check: Callable[[], None], doing: str) -> None:
-        self.check, self.doing = check, doing
+    ``lost(doing, error)``, where given, is the error to raise when a peer's closed connection broke the
+    collective and no rank has said why (the failure board's :meth:`~lightning_gpipe.engine.failure.FailureBoard.lost`).
+    """
+
+    def __init__(
+        self,
+        check: Callable[[], None],
+        doing: str,
+        lost: Optional[Callable[[str, BaseException], BaseException]] = None,
+    ) -> None:
+        self.check, self.doing, self.lost = check, doing, lost
 
     def __call__(self) -> None:
         self.check()
@@ -103,7 +112,7 @@ def wait(
             pause = min(2 * pause, 1e-3 if time.monotonic() - start < FINE_POLLING else 1e-2)
     try:
         work.wait()  # raises the transport's error, if any
-    except RuntimeError:
+    except RuntimeError as error:
         # A peer that failed closes its connections as it exits, which can end the collective before the
         # failure board has told this rank why: give the board a moment to, so the error names the stage
         # and its exception instead of gloo's "connection closed".
@@ -111,7 +120,10 @@ def wait(
         while time.monotonic() < deadline:
             watch()
             time.sleep(0.05)
-        raise
+        lost = getattr(watch, "lost", None)
+        if lost is None:
+            raise
+        raise lost(doing, error) from error  # no rank said why: a killed one cannot, and its heartbeat stopped
 
 
 #: Seconds a collective polls every millisecond before it polls every 10 ms.

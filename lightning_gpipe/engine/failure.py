@@ -30,6 +30,9 @@ __all__ = ["PipelineError", "FailureBoard", "destroy_process_groups_at_exit", "e
 
 _KEY, _ACKS = "failed", "acks"
 
+#: Seconds without a heartbeat after which :meth:`FailureBoard.lost` names a rank as the one gone.
+SILENT = 1.0
+
 
 class PipelineError(RuntimeError):
     """Another stage of the pipeline failed, or a stage could not be reached; the message names it."""
@@ -115,6 +118,8 @@ class FailureBoard:
         #: A failure of this rank that a background check found while its main thread was blocked elsewhere.
         self.found: Optional[PipelineError] = None
         self._last_answer = time.monotonic()
+        #: Per other rank: its heartbeat count as the poller last read it, and since when it has not changed.
+        self._beats: dict[int, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -172,6 +177,23 @@ class FailureBoard:
         while self._message is None and self._threads and time.monotonic() < deadline:
             time.sleep(0.05)
         return self._message
+
+    def lost(self, doing: str, error: BaseException) -> PipelineError:
+        """The error for a collective that a peer's closed connection broke, with no failure published.
+
+        A rank that was killed (by a signal, the out-of-memory killer, ``os._exit``, a crash in native
+        code) cannot report; its heartbeat stops. The ranks whose heartbeat has not moved for a second
+        are named: a live rank's poller beats four times a second. The heartbeat timeout would name the
+        same rank, ``failure_timeout`` seconds later.
+        """
+        now = time.monotonic()
+        gone = [r for r, (_, since) in sorted(self._beats.items()) if now - since > SILENT]
+        who = ", ".join(f"{self.describe(r)} (rank {r})" for r in gone) or "another rank"
+        return PipelineError(
+            f"Lost the connection to {who} during {doing}: it ended without reporting an error (killed by a "
+            "signal or the out-of-memory killer, os._exit, a crash in native code) or its network failed; see "
+            f"its own log. The transport said: {type(error).__name__}: {error}"
+        )
 
     # -- background threads --------------------------------------------------------------------------------
 
@@ -258,7 +280,8 @@ class FailureBoard:
     def _poll(self, poll: float, failure_timeout: float) -> None:
         store = self._store
         assert store is not None
-        last_seen = {r: (-1, time.monotonic()) for r in range(self.world_size) if r != self.rank}
+        last_seen = self._beats
+        last_seen.update({r: (-1, time.monotonic()) for r in range(self.world_size) if r != self.rank})
         acknowledged = False
         while not self._stop.wait(poll):
             self._run_checks()

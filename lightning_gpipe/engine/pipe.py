@@ -282,7 +282,7 @@ class GPipe(nn.Module):
                 situation = f"stage {self.stage} is in {doing}, which every rank of the pipeline must join"
                 raise PipelineError(stray_message_error(stray[1], stray[0], self.stage, situation))
 
-        return distributed.Watching(check, doing)
+        return distributed.Watching(check, doing, self.board.lost)
 
     def idle_stray(self, older_than: float) -> Optional[str]:
         """Why the stages are out of step, if a peer's message waited ``older_than`` s with no call under way.

@@ -1,0 +1,255 @@
+"""More scenarios for `test_compatibility.py`: data loading, loop settings and the Trainer's utilities.
+
+Each is what a user writes on one device and keeps under ``strategy="gpipe"``: loaders that the Trainer
+rebuilds, combines or does not own, batch hooks that draw random numbers, profilers, device statistics,
+loop limits counted in steps, frozen layers, a step that skips the backbone. The harness (``Scenario``,
+``run``) is in ``_compat.py``, which registers these under their function names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from _compat import BATCH, CLASSES, Base, Scenario, _data, _loader
+from lightning.pytorch.callbacks import DeviceStatsMonitor, EarlyStopping
+from lightning.pytorch.utilities import CombinedLoader
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, IterableDataset
+
+
+def _shuffled() -> DataLoader:
+    return DataLoader(_data(), batch_size=BATCH, shuffle=True)
+
+
+def device_stats() -> Scenario:
+    """Lightning's ``DeviceStatsMonitor``: each rank reads its own device, rank 0 logs (the CPU's, here)."""
+    return Scenario(Base(), callbacks=[DeviceStatsMonitor()], logger=True, trainer={"log_every_n_steps": 1})
+
+
+def simple_profiler() -> Scenario:
+    return Scenario(Base(), trainer={"profiler": "simple"})
+
+
+def advanced_profiler() -> Scenario:
+    return Scenario(Base(), trainer={"profiler": "advanced"})
+
+
+class Reloaded(Base):
+    """A shuffled training loader built by the module's hook, which the Trainer calls again every epoch. The hook
+    counts its calls and joins a collective: it takes rank 0's shuffling seed (a broadcast, a no-op on one device).
+    """
+
+    def train_dataloader(self) -> DataLoader:
+        self.record["loaders_built"] = self.record.get("loaders_built", 0) + 1
+        seed = self.trainer.strategy.broadcast(int(torch.randint(0, 2**31, ()).item()))
+        return DataLoader(_data(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def reloaded_every_epoch() -> Scenario:
+    return Scenario(Reloaded(), train=None, trainer={"reload_dataloaders_every_n_epochs": 1, "max_epochs": 3})
+
+
+class TwoSources(Base):
+    """Two training loaders at once (``CombinedLoader``): one batch of each per step, one of them shuffled."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.loss(batch["plain"]) + self.loss(batch["shuffled"])
+        self.log("train_loss", loss)
+        return loss
+
+
+def combined_loader() -> Scenario:
+    both = CombinedLoader({"plain": _loader(), "shuffled": _shuffled()}, mode="max_size_cycle")
+    return Scenario(TwoSources(), train=both)
+
+
+class TwoValidationSets(Base):
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("val_loss", self.loss(batch))
+
+
+def two_validation_loaders() -> Scenario:
+    """Logged per loader, as ``val_loss/dataloader_idx_0`` and ``_1``."""
+    return Scenario(TwoValidationSets(), val=[_loader(samples=16), _loader(samples=8)])
+
+
+class BatchHooks(Base):
+    """Noise drawn in ``on_before_batch_transfer`` and a rescale in ``on_after_batch_transfer``."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        return x + 0.1 * torch.randn_like(x), y
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        return 2 * x, y
+
+
+def batch_transfer_hooks() -> Scenario:
+    return Scenario(BatchHooks())
+
+
+def deterministic_algorithms() -> Scenario:
+    return Scenario(Base(), trainer={"deterministic": True})
+
+
+def without_inference_mode() -> Scenario:
+    return Scenario(Base(), val=_loader(samples=16), trainer={"inference_mode": False})
+
+
+def own_sampler() -> Scenario:
+    """``use_distributed_sampler=False``: the loader keeps its own shuffling sampler."""
+    return Scenario(Base(), train=_shuffled(), trainer={"use_distributed_sampler": False})
+
+
+class LoggedOnRankZero(Base):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, rank_zero_only=True)
+        return loss
+
+
+def log_rank_zero_only() -> Scenario:
+    return Scenario(LoggedOnRankZero())
+
+
+def min_epochs() -> Scenario:
+    """``EarlyStopping`` that would stop after the first epoch, held back by ``min_epochs=3``."""
+    stop = EarlyStopping("val_loss", patience=0, min_delta=10.0)
+    return Scenario(Base(), val=_loader(samples=16), callbacks=[stop], trainer={"min_epochs": 3, "max_epochs": 5})
+
+
+def barebones() -> Scenario:
+    return Scenario(Base(), trainer={"barebones": True})
+
+
+class OneCycle(Base):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.3, total_steps=8)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def one_cycle_schedule() -> Scenario:
+    return Scenario(OneCycle())
+
+
+class Stream(IterableDataset):
+    """Whole batches from an iterable dataset (no sampler for the Trainer to replace)."""
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        x, y = _data().tensors
+        for start in range(0, len(x), BATCH):
+            yield x[start : start + BATCH], y[start : start + BATCH]
+
+
+def iterable_dataset() -> Scenario:
+    return Scenario(Base(), train=DataLoader(Stream(), batch_size=None))
+
+
+class SometimesWithoutBackbone(Base):
+    """Every second step trains a bias alone, without calling the backbone: no stage has a pass to run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(CLASSES))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        if batch_idx % 2:
+            return F.cross_entropy(self.bias.expand(len(y), -1), y)
+        return F.cross_entropy(self.backbone(x) + self.bias, y)
+
+
+def step_without_backbone() -> Scenario:
+    return Scenario(SometimesWithoutBackbone())
+
+
+class TargetWithoutGrad(Base):
+    """A target from the backbone under ``torch.no_grad()``, then the backbone with gradients (consistency losses)."""
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        with torch.no_grad():
+            target = self.backbone(x + 1)
+        out = self.backbone(x)
+        return F.cross_entropy(out, y) + F.mse_loss(out, target)
+
+
+def backbone_under_no_grad() -> Scenario:
+    return Scenario(TargetWithoutGrad())
+
+
+class FrozenBackbone(Base):
+    """A frozen backbone (a feature extractor) and a trained head: no gradient reaches any stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone.requires_grad_(False)
+        self.head = nn.Linear(CLASSES, CLASSES)
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+
+def frozen_backbone() -> Scenario:
+    return Scenario(FrozenBackbone())
+
+
+class FrozenLastLayer(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone[-1].requires_grad_(False)
+
+
+def frozen_last_layer() -> Scenario:
+    return Scenario(FrozenLastLayer())
+
+
+def validation_every_two_steps() -> Scenario:
+    return Scenario(Base(), val=_loader(samples=16), trainer={"val_check_interval": 2})
+
+
+class Autocast(Base):
+    """``torch.autocast`` around the backbone in the user's step, instead of the Trainer's precision setting."""
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.backbone(x)
+        return F.cross_entropy(out.float(), y)
+
+
+def autocast_in_step() -> Scenario:
+    return Scenario(Autocast())
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        device_stats,
+        simple_profiler,
+        advanced_profiler,
+        reloaded_every_epoch,
+        combined_loader,
+        two_validation_loaders,
+        batch_transfer_hooks,
+        deterministic_algorithms,
+        without_inference_mode,
+        own_sampler,
+        log_rank_zero_only,
+        min_epochs,
+        barebones,
+        one_cycle_schedule,
+        iterable_dataset,
+        step_without_backbone,
+        backbone_under_no_grad,
+        frozen_backbone,
+        frozen_last_layer,
+        validation_every_two_steps,
+        autocast_in_step,
+    )
+}
