@@ -94,6 +94,7 @@ from lightning_gpipe.engine.outer_layers import OuterLayers
 from lightning_gpipe.engine.partition import balance as optimal_balance
 from lightning_gpipe.engine.partition import (
     balance_by_params,
+    check_balance_entries,
     parameter_costs,
     split_table,
     validate_balance,
@@ -264,10 +265,15 @@ class GPipeStrategy(ParallelStrategy):
                 "`balance` must be a list of layers per stage or 'params', 'time', 'memory' or 'auto', "
                 f"got {balance!r}."
             )
-        if chunks != AUTO:
-            microbatch.check_chunks(chunks)
-        if checkpoint != AUTO:
-            check_checkpoint_mode(checkpoint)
+        if balance is not None and not isinstance(balance, str):
+            check_balance_entries(balance)  # the count and the sum need the backbone: checked at setup
+        try:
+            if chunks != AUTO:
+                microbatch.check_chunks(chunks)
+            if checkpoint != AUTO:
+                check_checkpoint_mode(checkpoint)
+        except ValueError as error:
+            raise ValueError(f"{error} Or 'auto': the planner's choice.") from None
         if max_memory is not None and not max_memory > 0:
             raise ValueError(f"`max_memory` must be a positive number of bytes per device, got {max_memory!r}.")
         #: What the user asked for; ``chunks``, ``checkpoint`` and ``balance`` hold what runs (the plan's, if "auto").

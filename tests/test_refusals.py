@@ -33,6 +33,15 @@ def test_torch_compile_of_the_sequential_is_refused_and_names_compiling_the_laye
         _fit(model)
 
 
+def test_a_compiled_lightning_module_is_refused_by_lightning_naming_the_strategy():
+    # Lightning re-applies torch.compile after the strategy's setup for the strategies it lists; the pipeline
+    # replaced the backbone by then, so it must not be on that list (compile the layers instead)
+    with pytest.raises(
+        RuntimeError, match=r"compiled model is incompatible with the current strategy: `GPipeStrategy`"
+    ):
+        _fit(torch.compile(M.Net(), backend="eager"))
+
+
 def test_lazy_layers_are_refused_naming_the_layer_and_a_sample_forward_before_fit():
     # a lazy layer failed inside the profile with torch's own error (K=2: on every rank); DDP refuses them too
     model = M.Net()

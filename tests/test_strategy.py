@@ -213,9 +213,12 @@ def test_stage_output_that_is_not_a_tensor():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"chunks": 0}, "`chunks` must be a positive integer"),
-        ({"checkpoint": "sometimes"}, "`checkpoint` must be one of"),
+        ({"chunks": 0}, r"`chunks` must be a positive integer.*Or 'auto'"),
+        ({"checkpoint": "sometimes"}, r"`checkpoint` must be one of.*Or 'auto'"),
         ({"balance": "fast"}, "`balance` must be a list of layers per stage or 'params'"),
+        # the entries need no backbone: refused before any process starts (the sum and the count, at setup)
+        ({"balance": [0, 5]}, r"`balance` must be a list of positive integers \(layers per stage\), got \[0, 5\]"),
+        ({"balance": 5}, "`balance` must be a list of positive integers"),
         ({"pipe_size": 0}, "`pipe_size` must be a positive integer"),
         ({"backbone": ""}, "`backbone` must name the attribute"),
     ],

@@ -11,6 +11,7 @@ from torch import nn
 __all__ = [
     "balance",
     "balance_by_params",
+    "check_balance_entries",
     "layer_span",
     "parameter_costs",
     "split_table",
@@ -98,9 +99,7 @@ def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
 
 def validate_balance(balance: Sequence[int], layers: int, stages: int | None = None) -> list[int]:
     """Check an explicit ``balance`` list against the backbone and the number of stages."""
-    values = list(balance)
-    if not values or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in values):
-        raise ValueError(f"`balance` must be a list of positive integers (layers per stage), got {list(balance)}.")
+    values = check_balance_entries(balance)
     if stages is not None and len(values) != stages:
         raise ValueError(
             f"`balance` has {len(values)} entries but the pipeline has {stages} stages (one per device); "
@@ -111,6 +110,19 @@ def validate_balance(balance: Sequence[int], layers: int, stages: int | None = N
             f"`balance={values}` sums to {sum(values)} but the backbone has {layers} layers; the entries must sum to "
             f"the number of layers, e.g. balance={_even(layers, len(values))}."
         )
+    return values
+
+
+def check_balance_entries(balance: object) -> list[int]:
+    """``balance`` as a list, if it is a non-empty sequence of positive integers (layers per stage); else a ValueError.
+
+    The whole check needs the backbone (:func:`validate_balance`); this part runs when the strategy is made, before
+    any process starts.
+    """
+    values = list(balance) if isinstance(balance, Sequence) and not isinstance(balance, str) else None
+    if not values or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in values):
+        shown = values if values is not None else balance
+        raise ValueError(f"`balance` must be a list of positive integers (layers per stage), got {shown!r}.")
     return values
 
 
