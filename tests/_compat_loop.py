@@ -182,6 +182,88 @@ def backbone_under_no_grad() -> Scenario:
     return Scenario(TargetWithoutGrad())
 
 
+class SaliencyFromItsOwnCall(Base):
+    """An input gradient (a saliency map, logged) from a backbone call of its own, then the loss from another call.
+    Its drain must fill no parameter's ``.grad``: with gradient accumulation no ``zero_grad`` comes between it and
+    the next batch's backward."""
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        probe = x.clone().requires_grad_(True)
+        (saliency,) = torch.autograd.grad(self.backbone(probe).sum(), probe)
+        self.log("saliency", saliency.abs().mean())
+        return F.cross_entropy(self.backbone(x), y)
+
+
+def saliency_from_its_own_call() -> Scenario:
+    return Scenario(SaliencyFromItsOwnCall(), trainer={"accumulate_grad_batches": 2})
+
+
+class ManualSaliency(SaliencyFromItsOwnCall):
+    """The same, under manual optimization: ``zero_grad``, the saliency map, ``manual_backward``, ``step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self.loss(batch))
+        optimizer.step()
+
+
+def saliency_in_manual_optimization() -> Scenario:
+    return Scenario(ManualSaliency())
+
+
+class GradientsByHand(Base):
+    """Manual optimization with the gradients from ``torch.autograd.grad(loss, params)``, set on ``.grad`` by hand
+    (gradient surgery, meta-learning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        params = [p for p in self.parameters() if p.requires_grad]
+        for param, grad in zip(params, torch.autograd.grad(self.loss(batch), params)):
+            param.grad = grad
+        optimizer.step()
+
+
+def autograd_grad_of_the_parameters() -> Scenario:
+    return Scenario(GradientsByHand())
+
+
+class BackwardOfSome(Base):
+    """``manual_backward(loss, inputs=...)``: the backbone's parameters, or only the head's (a GAN's generator step)."""
+
+    def __init__(self, inputs: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.head = nn.Linear(CLASSES, CLASSES)
+        self.inputs = inputs
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        loss = F.cross_entropy(self.head(self.backbone(x)), y)
+        self.manual_backward(loss, inputs=list(getattr(self, self.inputs).parameters()))
+        optimizer.step()
+
+
+def backward_inputs_backbone() -> Scenario:
+    return Scenario(BackwardOfSome("backbone"))
+
+
+def backward_inputs_head() -> Scenario:
+    return Scenario(BackwardOfSome("head"))
+
+
 class FrozenBackbone(Base):
     """A frozen backbone (a feature extractor) and a trained head: no gradient reaches any stage."""
 
@@ -247,6 +329,11 @@ SCENARIOS = {
         iterable_dataset,
         step_without_backbone,
         backbone_under_no_grad,
+        saliency_from_its_own_call,
+        saliency_in_manual_optimization,
+        autograd_grad_of_the_parameters,
+        backward_inputs_backbone,
+        backward_inputs_head,
         frozen_backbone,
         frozen_last_layer,
         validation_every_two_steps,

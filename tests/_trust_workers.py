@@ -193,10 +193,41 @@ class AuxiliaryFromTheBackbone(M.Net):
         return loss + 1e-2 * sum(m.auxiliary for m in self.modules() if isinstance(m, KeepsAuxiliary))
 
 
+class GradientPenalty(M.Net):
+    """WGAN-GP's penalty on the norm of the backbone's input gradient, from a backbone call of its own, with
+    ``create_graph=True``: its gradient for the backbone's weights comes from a backward of the backward."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        probe = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(self.backbone(probe).sum(), probe, create_graph=True)
+        return super().training_step(batch, batch_idx) + ((grad.norm(dim=1) - 1) ** 2).mean()
+
+
+class TiedSaliency(M.TiedNet):
+    """A saliency map (``torch.autograd.grad`` of the output for the input) with weights tied across stages."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        probe = x.clone().requires_grad_(True)
+        torch.autograd.grad(self.backbone(probe).sum(), probe)
+        return super().training_step(batch, batch_idx)
+
+
+def tied_saliency(rank: int, world_size: int) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, balance=[3, 4]), devices=world_size, **M.trainer_kwargs())
+    trainer.fit(TiedSaliency(), M.loader())
+
+
 def penalized_loss(rank: int, world_size: int, when: str) -> None:
     L.seed_everything(0, verbose=False)
     if when == "auxiliary":
         _fit(AuxiliaryFromTheBackbone(), world_size)
+    elif when == "gradient penalty":
+        _fit(GradientPenalty(), world_size)
     else:
         _fit(PenaltyOverParameters(last_only=when == "last step"), world_size)
 

@@ -117,6 +117,23 @@ def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):
     _check(name, runs)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "saliency_from_its_own_call",
+        "saliency_in_manual_optimization",
+        "autograd_grad_of_the_parameters",
+        "backward_inputs_backbone",
+        "backward_inputs_head",
+    ],
+)
+def test_a_backward_that_asks_for_some_gradients_only_gives_them_as_on_one_device(name, runs):
+    # the drain added every parameter's gradient to .grad whatever was asked: a saliency map's went into the next
+    # step (23.1 off one device under manual optimization, 7.3 with accumulation); autograd.grad(loss, params)
+    # failed ("not used in the graph"), or gave None with allow_unused=True (0.20 off)
+    _check(name, runs)
+
+
 def test_device_stats_monitor_logs_the_one_device_keys_on_rank_zero(runs):
     want, ranks = _check("device_stats", runs)
     keys = lambda rows: sorted({k for row in rows for k in row})  # noqa: E731
