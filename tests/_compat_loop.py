@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from _compat import BATCH, CLASSES, Base, Scenario, _data, _loader
+from _compat import BATCH, CLASSES, FEATURES, Base, Scenario, _data, _loader
 from lightning.pytorch.callbacks import DeviceStatsMonitor, EarlyStopping
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
@@ -217,33 +217,14 @@ def saliency_in_manual_optimization() -> Scenario:
     return Scenario(ManualSaliency())
 
 
-class GradientsByHand(Base):
-    """Manual optimization with the gradients from ``torch.autograd.grad(loss, params)``, set on ``.grad`` by hand
-    (gradient surgery, meta-learning)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        params = [p for p in self.parameters() if p.requires_grad]
-        for param, grad in zip(params, torch.autograd.grad(self.loss(batch), params)):
-            param.grad = grad
-        optimizer.step()
-
-
-def autograd_grad_of_the_parameters() -> Scenario:
-    return Scenario(GradientsByHand())
-
-
 class BackwardOfSome(Base):
-    """``manual_backward(loss, inputs=...)``: the backbone's parameters, or only the head's (a GAN's generator step)."""
+    """``manual_backward(loss, inputs=...)`` with a stem before the backbone and a head after it: the stem's
+    parameters (the backward runs through the pipeline, for its input gradient only) or the head's (it does not)."""
 
     def __init__(self, inputs: str) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.stem = nn.Linear(FEATURES, FEATURES)
         self.head = nn.Linear(CLASSES, CLASSES)
         self.inputs = inputs
 
@@ -251,13 +232,13 @@ class BackwardOfSome(Base):
         optimizer = self.optimizers()
         optimizer.zero_grad()
         x, y = batch
-        loss = F.cross_entropy(self.head(self.backbone(x)), y)
+        loss = F.cross_entropy(self.head(self.backbone(self.stem(x))), y)
         self.manual_backward(loss, inputs=list(getattr(self, self.inputs).parameters()))
         optimizer.step()
 
 
-def backward_inputs_backbone() -> Scenario:
-    return Scenario(BackwardOfSome("backbone"))
+def backward_inputs_stem() -> Scenario:
+    return Scenario(BackwardOfSome("stem"))
 
 
 def backward_inputs_head() -> Scenario:
@@ -331,8 +312,7 @@ SCENARIOS = {
         backbone_under_no_grad,
         saliency_from_its_own_call,
         saliency_in_manual_optimization,
-        autograd_grad_of_the_parameters,
-        backward_inputs_backbone,
+        backward_inputs_stem,
         backward_inputs_head,
         frozen_backbone,
         frozen_last_layer,

@@ -204,24 +204,6 @@ class GradientPenalty(M.Net):
         return super().training_step(batch, batch_idx) + ((grad.norm(dim=1) - 1) ** 2).mean()
 
 
-class TiedSaliency(M.TiedNet):
-    """A saliency map (``torch.autograd.grad`` of the output for the input) with weights tied across stages."""
-
-    def training_step(self, batch, batch_idx):
-        x, _ = batch
-        probe = x.clone().requires_grad_(True)
-        torch.autograd.grad(self.backbone(probe).sum(), probe)
-        return super().training_step(batch, batch_idx)
-
-
-def tied_saliency(rank: int, world_size: int) -> None:
-    from lightning_gpipe import GPipeStrategy
-
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, balance=[3, 4]), devices=world_size, **M.trainer_kwargs())
-    trainer.fit(TiedSaliency(), M.loader())
-
-
 def penalized_loss(rank: int, world_size: int, when: str) -> None:
     L.seed_everything(0, verbose=False)
     if when == "auxiliary":

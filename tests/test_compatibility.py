@@ -122,15 +122,13 @@ def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):
     [
         "saliency_from_its_own_call",
         "saliency_in_manual_optimization",
-        "autograd_grad_of_the_parameters",
-        "backward_inputs_backbone",
+        "backward_inputs_stem",
         "backward_inputs_head",
     ],
 )
 def test_a_backward_that_asks_for_some_gradients_only_gives_them_as_on_one_device(name, runs):
-    # the drain added every parameter's gradient to .grad whatever was asked: a saliency map's went into the next
-    # step (23.1 off one device under manual optimization, 7.3 with accumulation); autograd.grad(loss, params)
-    # failed ("not used in the graph"), or gave None with allow_unused=True (0.20 off)
+    # the drain added every stage parameter's gradient to .grad whatever was asked: a saliency map's went into the
+    # next step (23.1 off one device under manual optimization, 7.3 with accumulation)
     _check(name, runs)
 
 

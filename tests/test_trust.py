@@ -204,15 +204,6 @@ def test_a_gradient_penalty_through_the_backbone_ends_every_rank_before_its_firs
         assert "WGAN-GP" in error and "silently miss its gradient" in error
 
 
-def test_a_backward_for_some_gradients_only_with_weights_tied_across_stages_ends_every_rank_naming_the_ties():
-    # the tie's gradients are summed over its holders into .grad after a drain, which such a backward must not touch
-    outcome = run_processes(W.tied_saliency, 2, timeout=120)
-    _assert_all_ended_with_errors(outcome)
-    for error in outcome.errors:
-        assert "asks for some gradients only (`torch.autograd.grad`, `backward(inputs=...)`)" in error, error
-        assert "weights tied across stages" in error
-
-
 @pytest.fixture(scope="module")
 def stopped_fits():
     """The fits of ``W.stopped_fits`` on 2 stages (one spawned run), and on one device."""

@@ -223,7 +223,6 @@ class GPipe(nn.Module):
         )
         self.ties = TiedCopies(module, ties, self.stage, layout, rank, self.device)  # collective with ties
         self.runner.after_drain = self.ties.after_drain
-        self.runner.ties_across_stages = bool(self.ties.local)
         self.runner.split_backward = split_backward
         if self.replica_group is not None:
             tied = self.ties.excluded()  # their replica average is part of the tie's sum

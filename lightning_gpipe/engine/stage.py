@@ -28,7 +28,7 @@ from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
 from lightning_gpipe.engine.schedule import fill_drain
-from lightning_gpipe.engine.selective import Drained, fills_every_leaf
+from lightning_gpipe.engine.selective import back_into_inputs, fills_every_leaf
 from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
 from lightning_gpipe.engine.skip.traffic import Bundles
 from lightning_gpipe.engine.split_backward import WeightPass, inputs_first
@@ -93,8 +93,6 @@ class StageRunner:
         self.split_passes = 0  # micro-batch backwards that ran split (the others ran whole)
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
-        #: Weights tied across stages: their gradients are summed over the holders after a drain that fills ``.grad``
-        self.ties_across_stages = False
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
         self.eval_calls = 0
         self._evaluating = 0  # evaluation fills under way
@@ -145,11 +143,10 @@ class StageRunner:
         call = self.calls
         self.calls += 1
         leaves = microbatch.tensors(batch)
-        params = [p for p in self._modules.parameters() if p.requires_grad]
-        anchor = torch.empty(0, device=self.device, requires_grad=True).view(0)  # see _Bridge
+        anchor = torch.empty(0, device=self.device, requires_grad=True)  # see _Bridge
         box: dict[str, Any] = {"label": label}
         try:
-            values = _Bridge.apply(self, batch, call, box, anchor, len(leaves), *leaves, *params)
+            values = _Bridge.apply(self, batch, call, box, anchor, *leaves)
         except BaseException:
             self._undrained.pop(call, None)
             raise
@@ -314,13 +311,11 @@ class StageRunner:
 
     # -- backward (drain) ----------------------------------------------------------------------------
 
-    def _drain(
-        self, run: _Run, grads: tuple[Optional[Tensor], ...], drained: Optional[Drained] = None
-    ) -> list[Optional[Tensor]]:
+    def _drain(self, run: _Run, grads: tuple[Optional[Tensor], ...], whole: bool = True) -> list[Optional[Tensor]]:
         """Back-propagate every micro-batch in reverse; returns the gradients of the pipeline input's leaves.
 
-        The parameters' gradients go to their ``.grad``, or into ``drained`` for a backward that asked for some
-        gradients only (see :mod:`~lightning_gpipe.engine.selective`).
+        The parameters' gradients go to their ``.grad``; not ``whole`` (a backward that asked for some gradients
+        only, see :mod:`~lightning_gpipe.engine.selective`), only the inputs' are computed.
         """
         count = len(run.sizes)  # as in the fill: min(chunks, batch size)
         if self.is_last:
@@ -348,16 +343,16 @@ class StageRunner:
                     skip_grads = self._recv(self.ranks[dst], Tag("skip gradient", run.call, i, run.label)).values
                     sent = leaving[dst] if leaving is not None else ()
                     pairs += [(o, d) for o, d in zip(sent, skip_grads) if d is not None and o.requires_grad]
-            if i == 0 and self.grad_sync is not None and drained is None:  # the last backward: .grad becomes final
+            if i == 0 and self.grad_sync is not None and whole:  # the last backward: .grad becomes final
                 self.grad_sync.arm()
             weights: Optional[WeightPass] = None
             with self._span("backward", i):
                 received_leaves = [t for bundle in (run.skips_in[i] or {}).values() for t in bundle]
                 needing = [t for t in (*microbatch.tensors(run.inputs[i]), *received_leaves) if t.requires_grad]
-                if pairs and self.split_backward and not self.is_first and drained is None:  # first: nobody waits
+                if pairs and self.split_backward and not self.is_first and whole:  # the first: nobody waits
                     weights = inputs_first([o for o, _ in pairs], [d for _, d in pairs], needing)
-                if pairs and drained is not None:
-                    drained.backward([o for o, _ in pairs], [d for _, d in pairs], needing)
+                if pairs and not whole:
+                    back_into_inputs([o for o, _ in pairs], [d for _, d in pairs], needing)
                 elif pairs and weights is None:
                     torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
                 # None where no gradient reached an input (a stop-gradient, a branch this call did not use): zeros
@@ -428,27 +423,25 @@ def _join(per_micro: tuple[Optional[Tensor], ...], sizes: list[int]) -> Optional
 class _Bridge(torch.autograd.Function):
     """The pipeline as one autograd node on every rank.
 
-    Its inputs are the batch's tensors (so a module before the backbone gets its gradient), an
-    ``anchor`` that requires grad (on ranks other than the first the batch is never used, and without
-    the anchor the output would have no ``grad_fn`` and backward would never reach the stage), and the
-    stage's trainable parameters. A whole ``backward()`` reaches the anchor: the drain then adds the
-    parameters' gradients to their ``.grad``, as one device's backward does, and returns none. A backward
-    that asks for some gradients only (``torch.autograd.grad``, ``backward(inputs=...)``) does not reach
-    it: the drain then returns the parameters' gradients, and autograd gives each to whoever asked.
+    Its inputs are the batch's tensors (so a module before the backbone gets its gradient) and an
+    ``anchor`` that requires grad: on ranks other than the first the batch is never used, and without
+    the anchor the output would have no ``grad_fn`` and backward would never reach the stage. Only a
+    whole ``backward()`` reaches the anchor: the drain then adds the parameters' gradients to their
+    ``.grad``, as one device's backward does. A backward that asks for some gradients only
+    (``torch.autograd.grad``, ``backward(inputs=...)``) does not: the drain then computes the input
+    gradients alone.
     """
 
     @staticmethod
-    def forward(
-        ctx, runner: StageRunner, batch: Any, call: int, box: dict, anchor: Tensor, num_leaves: int, *tensors: Tensor
-    ):
-        leaves, params = tensors[:num_leaves], tensors[num_leaves:]
+    def forward(ctx, runner: StageRunner, batch: Any, call: int, box: dict, anchor: Tensor, *leaves: Tensor):
         kind = runner.device.type
         run = _Run(call, (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)), box["label"])
         run.input_needs_grad = any(t.requires_grad for t in leaves)
         runner._undrained[call] = run  # open until the drain ends, or autograd frees the graph without one
         with runner._span("fill"):
             values, box["is_tuple"] = runner._fill(batch, run, train=True)
-        ctx.runner, ctx.run, ctx.num_leaves, ctx.params, ctx.anchor = runner, run, len(leaves), params, anchor.grad_fn
+        ctx.runner, ctx.run, ctx.num_leaves = runner, run, len(leaves)
+        ctx.anchor = torch.autograd.graph.get_gradient_edge(anchor).node  # which backward reaches it: see backward
         ctx.set_materialize_grads(False)
         non_float = [v for v in values if not v.is_floating_point()]
         if non_float:
@@ -476,20 +469,12 @@ class _Bridge(torch.autograd.Function):
                 "backbone output can be back-propagated only once: add the losses up and call backward once, or "
                 "call the backbone again for a second backward."
             )
-        drained = None if fills_every_leaf(ctx.anchor) else Drained(ctx.params)
-        if drained is not None and ctx.runner.ties_across_stages:
-            raise RuntimeError(
-                "A backward that asks for some gradients only (`torch.autograd.grad`, `backward(inputs=...)`) ran "
-                "through a pipeline with weights tied across stages: their gradients are summed over the stages "
-                "into `.grad` after the drain, which such a backward must not change. Call `backward()` (Lightning's "
-                "`manual_backward(loss)`) for this loss, or untie the weights."
-            )
+        whole = fills_every_leaf(ctx.anchor)  # else torch.autograd.grad or backward(inputs=...): leave .grad alone
         try:
             with ctx.runner._span("drain"):
-                input_grads = ctx.runner._drain(run, grads, drained) or [None] * ctx.num_leaves
-                if ctx.runner.after_drain is not None and drained is None:
+                input_grads = ctx.runner._drain(run, grads, whole) or [None] * ctx.num_leaves
+                if ctx.runner.after_drain is not None and whole:
                     ctx.runner.after_drain()
         finally:
             ctx.runner._undrained.pop(run.call, None)
-        param_grads = drained.grads if drained is not None else [None] * len(ctx.params)
-        return (None, None, None, None, None, None, *input_grads, *param_grads)
+        return (None, None, None, None, None, *input_grads)
