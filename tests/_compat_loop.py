@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from _compat import BATCH, CLASSES, FEATURES, Base, Scenario, _data, _loader
+from _compat import BATCH, CLASSES, FEATURES, Base, Manual, Scenario, _data, _loader
 from lightning.pytorch.callbacks import DeviceStatsMonitor, EarlyStopping
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
@@ -199,18 +199,8 @@ def saliency_from_its_own_call() -> Scenario:
     return Scenario(SaliencyFromItsOwnCall(), trainer={"accumulate_grad_batches": 2})
 
 
-class ManualSaliency(SaliencyFromItsOwnCall):
+class ManualSaliency(Manual, SaliencyFromItsOwnCall):
     """The same, under manual optimization: ``zero_grad``, the saliency map, ``manual_backward``, ``step``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(self.loss(batch))
-        optimizer.step()
 
 
 def saliency_in_manual_optimization() -> Scenario:
