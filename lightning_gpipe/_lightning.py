@@ -272,7 +272,7 @@ def hand_over_dataloaders(trainer: "pl.Trainer") -> None:
         return
     loop = running[0]
     source = loop._data_source  # private: see the docstring
-    if not source.is_module() or not source.is_defined() or isinstance(vars(source).get("dataloader"), _HandedOver):
+    if not source.is_module() or not source.is_defined() or _handed_over(source) is not None:
         return
     if _kept_loaders(loop) is not None:  # Lightning will not ask: it keeps the loaders of an earlier fit
         return
@@ -291,14 +291,22 @@ def _kept_loaders(loop: Any) -> Optional[list[Any]]:
 
 
 class _HandedOver:
-    """A loop's ``_data_source.dataloader`` until Lightning's first request: the loaders built early, once."""
+    """A loop's ``_data_source.dataloader`` until Lightning's first request: the loaders built early, once, from
+    the module or datamodule the source held then."""
 
     def __init__(self, source: Any, loaders: Any) -> None:
-        self.source, self.loaders = source, loaders
+        self.source, self.loaders, self.instance = source, loaders, source.instance
 
     def __call__(self) -> Any:
         del self.source.dataloader  # back to the class's method: a later request calls the hook
-        return self.loaders
+        return self.loaders if self.source.instance is self.instance else self.source.dataloader()
+
+
+def _handed_over(source: Any) -> Optional[_HandedOver]:
+    """The loaders built early for ``source`` and not requested yet; ``None`` if none, or if they were built from
+    another module or datamodule (a fit that failed before its request, then a fit with other data)."""
+    pending = vars(source).get("dataloader")
+    return pending if isinstance(pending, _HandedOver) and source.instance is pending.instance else None
 
 
 def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
@@ -318,11 +326,10 @@ def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
     source = loop._data_source  # private: see the docstring
     if not source.is_defined():
         return None
-    pending = vars(source).get("dataloader")
-    kept = _kept_loaders(loop)
+    kept, pending = _kept_loaders(loop), _handed_over(source)
     if kept is not None:
         loaders: Any = kept
-    elif isinstance(pending, _HandedOver):
+    elif pending is not None:
         loaders = pending.loaders
     else:
         loaders = source.dataloader()

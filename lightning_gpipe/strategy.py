@@ -626,10 +626,7 @@ class GPipeStrategy(ParallelStrategy):
             )
             return outcome
 
-        trainer = self._trainer()
-        if trainer is not None:  # every rank, so that each calls a loader hook alike; rank 0 takes the first batch
-            hand_over_dataloaders(trainer)
-        shared = self._from_rank_zero(plan_here)
+        shared = self._from_rank_zero_on_the_first_batch(plan_here)
         self.auto_choice = shared
         self.chunks = chunks if isinstance(chunks, int) else shared.chunks
         self.checkpoint = shared.checkpoint if checkpoint == AUTO else checkpoint
@@ -651,10 +648,15 @@ class GPipeStrategy(ParallelStrategy):
             rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
             return costs
 
+        return self._from_rank_zero_on_the_first_batch(profile_here)
+
+    def _from_rank_zero_on_the_first_batch(self, compute: Callable[[], Any]) -> Any:
+        """:meth:`_from_rank_zero` for a ``compute`` that takes the first batch (``first_batch``): every rank first
+        builds its loaders at this point (``hand_over_dataloaders``), so that each calls a loader hook alike."""
         trainer = self._trainer()
-        if trainer is not None:  # every rank, so that each calls a loader hook alike; rank 0 takes the first batch
+        if trainer is not None:
             hand_over_dataloaders(trainer)
-        return self._from_rank_zero(profile_here)
+        return self._from_rank_zero(compute)
 
     def _from_rank_zero(self, compute: Callable[[], Any]) -> Any:
         """``compute()`` on global rank 0, broadcast; if it raises there, every rank raises alike (collective)."""

@@ -347,14 +347,13 @@ class StageRunner:
                 self.grad_sync.arm()
             weights: Optional[WeightPass] = None
             with self._span("backward", i):
-                received_leaves = [t for bundle in (run.skips_in[i] or {}).values() for t in bundle]
-                needing = [t for t in (*microbatch.tensors(run.inputs[i]), *received_leaves) if t.requires_grad]
-                if pairs and self.split_backward and not self.is_first and whole:  # the first: nobody waits
-                    weights = inputs_first([o for o, _ in pairs], [d for _, d in pairs], needing)
+                outs, douts = [o for o, _ in pairs], [d for _, d in pairs]
                 if pairs and not whole:
-                    back_into_inputs([o for o, _ in pairs], [d for _, d in pairs], needing)
-                elif pairs and weights is None:
-                    torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
+                    back_into_inputs(outs, douts, self._input_leaves(run, i))
+                elif pairs and self.split_backward and not self.is_first:  # the first stage: nobody waits
+                    weights = inputs_first(outs, douts, self._input_leaves(run, i))
+                if pairs and whole and weights is None:
+                    torch.autograd.backward(outs, douts)
                 # None where no gradient reached an input (a stop-gradient, a branch this call did not use): zeros
                 # would make the upstream stage's parameters' .grad zeros instead of None, and an optimizer steps a
                 # parameter with a zero gradient (momentum, weight decay, Adam's moments) but skips one with None
@@ -376,6 +375,12 @@ class StageRunner:
             input_grads[i] = dx
             run.inputs[i] = run.outputs[i] = run.buffers[i] = run.skips_in[i] = run.skips_out[i] = None
         return self._input_grads(run, input_grads)
+
+    @staticmethod
+    def _input_leaves(run: _Run, i: int) -> list[Tensor]:
+        """Micro-batch ``i``'s input and received skips that want a gradient: what an input pass fills."""
+        received = [t for bundle in (run.skips_in[i] or {}).values() for t in bundle]
+        return [t for t in (*microbatch.tensors(run.inputs[i]), *received) if t.requires_grad]
 
     def _recompute(self, run: _Run, i: int) -> tuple[tuple[Tensor, ...], Bundles]:
         """Rebuild micro-batch ``i``'s graph: same input, random streams, autocast and written buffers as the forward.
