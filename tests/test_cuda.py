@@ -7,6 +7,8 @@ there are two.
 
 from __future__ import annotations
 
+import copy
+
 import _models as M
 import _sweeps
 import lightning as L
@@ -166,3 +168,18 @@ def test_an_in_place_first_layer_on_the_gpu_trains_as_the_plain_sequential(mode)
     for got, want in zip(pipe.parameters(), plain.parameters()):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(x_pipe.grad, x_plain.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_saliency_map_on_the_gpu_equals_the_plain_sequentials_and_leaves_every_grad_alone(checkpoint):
+    # engine/selective.py asks the autograd engine which nodes a backward will run; a CUDA graph has the same nodes
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Dropout(0.0), nn.Linear(64, 8)).cuda()
+    pipe = GPipe(copy.deepcopy(plain), chunks=4, checkpoint=checkpoint, device=torch.device("cuda"))
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    (want,) = torch.autograd.grad(plain(x).square().sum(), x)
+    (got,) = torch.autograd.grad(pipe(x).square().sum(), x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert all(p.grad is None for p in pipe.parameters()) and x.grad is None
+    with pytest.raises(RuntimeError, match=r"backward with `create_graph=True` ran through the pipeline"):
+        torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
