@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from _compat import BATCH, CLASSES, FEATURES, Base, Manual, Scenario, _data, _loader
+from _compat import BATCH, CLASSES, FEATURES, Base, Manual, Scenario, _backbone, _data, _loader
 from lightning.pytorch.callbacks import DeviceStatsMonitor, EarlyStopping
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
@@ -280,6 +280,20 @@ def autocast_in_step() -> Scenario:
     return Scenario(Autocast())
 
 
+class LoadedOnFitStart(Base):
+    """Loads fixed backbone weights in ``on_fit_start``, after the split: each stage takes its own layers' entries."""
+
+    def on_fit_start(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.backbone.load_state_dict(
+            {k: torch.randn(v.shape, generator=g) for k, v in _backbone().state_dict().items()}
+        )
+
+
+def weights_loaded_in_on_fit_start() -> Scenario:
+    return Scenario(LoadedOnFitStart())
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -308,5 +322,6 @@ SCENARIOS = {
         frozen_last_layer,
         validation_every_two_steps,
         autocast_in_step,
+        weights_loaded_in_on_fit_start,
     )
 }

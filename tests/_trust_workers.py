@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 
@@ -212,6 +213,32 @@ def penalized_loss(rank: int, world_size: int, when: str) -> None:
         _fit(GradientPenalty(), world_size)
     else:
         _fit(PenaltyOverParameters(last_only=when == "last step"), world_size)
+
+
+class DrawnAfterTheSplit(M.Net):
+    """Draws the backbone's weights anew in ``hook``, which runs after the split (each stage holds its own layers).
+
+    ``equal``: a backbone of two equal halves (each stage then draws the very same values); else the uneven
+    :func:`_models.mlp`, whose stages draw unequal amounts."""
+
+    def __init__(self, hook: str, equal: bool) -> None:
+        super().__init__()
+        if equal:  # a stem outside the backbone, then two stages of one Linear(8, 8) and a Tanh each
+            self.stem = nn.Linear(M.FEATURES, 8)
+            self.backbone = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        setattr(self, hook, self._draw)
+
+    def _draw(self) -> None:
+        self.apply(lambda m: nn.init.xavier_uniform_(m.weight) if isinstance(m, nn.Linear) else None)
+
+
+def drawn_after_the_split(rank: int, world_size: int, hook: str, equal: bool) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    balance = [2, 2] if equal else None
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, balance=balance), devices=world_size, **M.trainer_kwargs())
+    trainer.fit(DrawnAfterTheSplit(hook, equal), M.loader())
 
 
 class LightningsGradNorm(M.Net):

@@ -184,6 +184,17 @@ def test_outer_layers_changed_on_rank_zero_only_are_taken_from_the_first_stage_w
     assert not any("outside the backbone" in m for m in [*ranks[1]["warnings"], *want["warnings"]])
 
 
+def test_weights_loaded_after_the_split_train_as_on_one_device_with_a_warning_against_drawing_them_there(runs):
+    # fixed values loaded in on_fit_start equal one device's; the strategy cannot tell them from values drawn at
+    # random where the stages drew alike, so rank 0 says where random ones belong
+    want, ranks = _check("weights_loaded_in_on_fit_start", runs)
+    said = [m for m in ranks[0]["warnings"] if "code changed the backbone's weights" in m]
+    assert len(said) == 1 and "on stage 0 (rank 0) and stage 1 (rank 1)" in said[0], ranks[0]["warnings"]
+    assert "`__init__`, `setup()` or `configure_model()`" in said[0]
+    others = [*ranks[1]["warnings"], *want["warnings"]]
+    assert not any("backbone's weights" in m for m in others), others
+
+
 def test_the_learning_rate_finder_suggests_the_one_device_rate_and_the_fit_after_it_trains_as_one_device(runs):
     # Lightning's tuner ends its search fit with an exception of its own; taken for a failure, it left the
     # backbone partitioned, and the fit after it waited forever for the other stage

@@ -195,6 +195,21 @@ def test_a_gradient_of_a_gradient_through_the_pipeline_is_refused_naming_the_pen
     assert grad.shape == x.shape and grad.grad_fn is None
 
 
+@pytest.mark.parametrize(
+    "hook, equal",
+    [("on_fit_start", False), ("on_train_start", True)],
+    ids=["uneven stages, which draw unequal amounts", "stages of equal shapes, which draw the same values"],
+)
+def test_weights_drawn_at_random_after_the_split_end_every_rank_at_the_first_step_naming_where_to_draw(hook, equal):
+    # each stage drew its own layers from the stream's start: 1.05 off one device after 8 steps, without a word
+    outcome = run_processes(W.drawn_after_the_split, 2, hook, equal, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    evidence = "changed weights now hold the very same values" if equal else "drew different amounts of random numbers"
+    for error in outcome.errors:
+        assert "and training batch 0, code changed the backbone's weights on stage 0 (rank 0) and stage 1" in error
+        assert evidence in error and "`__init__`, `setup()` or `configure_model()`" in error, error
+
+
 def test_a_gradient_penalty_through_the_backbone_ends_every_rank_before_its_first_step():
     # its gradient for the backbone's weights went missing without a word: 0.71 off one device after 8 steps
     outcome = run_processes(W.penalized_loss, 2, "gradient penalty", timeout=120)
