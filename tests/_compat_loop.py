@@ -294,6 +294,15 @@ def weights_loaded_in_on_fit_start() -> Scenario:
     return Scenario(LoadedOnFitStart())
 
 
+def _build_under_init_module(trainer: Any, module: Any, train: Any) -> None:
+    with trainer.init_module():  # Lightning's context for building a model where the strategy wants it
+        module.backbone = _backbone()
+
+
+def built_under_init_module() -> Scenario:
+    return Scenario(Base(), before_fit=_build_under_init_module)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -323,5 +332,6 @@ SCENARIOS = {
         validation_every_two_steps,
         autocast_in_step,
         weights_loaded_in_on_fit_start,
+        built_under_init_module,
     )
 }

@@ -241,6 +241,27 @@ def drawn_after_the_split(rank: int, world_size: int, hook: str, equal: bool) ->
     trainer.fit(DrawnAfterTheSplit(hook, equal), M.loader())
 
 
+class LongerOnRankOne(IterableDataset):
+    """The same samples on every rank, and 8 more on rank 1: a stream whose length differs per process."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(16 + (8 if self.rank == 1 else 0)):
+            yield torch.randn(M.FEATURES, generator=g), int(torch.randint(0, M.CLASSES, (1,), generator=g))
+
+
+def stream_of_another_length(rank: int, world_size: int) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    strategy = GPipeStrategy(chunks=2, failure_timeout=3.0)
+    trainer = L.Trainer(strategy=strategy, devices=world_size, **M.trainer_kwargs(max_steps=-1, max_epochs=2))
+    trainer.fit(M.Net(), DataLoader(LongerOnRankOne(rank), batch_size=4))
+
+
 class LightningsGradNorm(M.Net):
     """Logs Lightning's ``grad_norm`` (of this rank's stage during a fit) from ``on_before_optimizer_step``."""
 

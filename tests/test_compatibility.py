@@ -111,6 +111,7 @@ def test_feature_trains_as_on_one_device(name, runs):
         "frozen_backbone",
         "frozen_last_layer",
         "validation_every_two_steps",
+        "built_under_init_module",
     ],
 )
 def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):

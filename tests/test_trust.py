@@ -210,6 +210,15 @@ def test_weights_drawn_at_random_after_the_split_end_every_rank_at_the_first_ste
         assert evidence in error and "`__init__`, `setup()` or `configure_model()`" in error, error
 
 
+def test_a_stream_longer_on_one_rank_ends_every_rank_with_the_deadlock_naming_the_data_as_a_cause():
+    # rank 0 ran out of batches and went to the end of the epoch while rank 1 started a sixth batch
+    outcome = run_processes(W.stream_of_another_length, 2, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    for error in outcome.errors:
+        assert "a deadlock" in error and "a decision of every rank (stop or go on)" in error, error
+        assert "training data ran out at different batches" in error
+
+
 def test_a_gradient_penalty_through_the_backbone_ends_every_rank_before_its_first_step():
     # its gradient for the backbone's weights went missing without a word: 0.71 off one device after 8 steps
     outcome = run_processes(W.penalized_loss, 2, "gradient penalty", timeout=120)

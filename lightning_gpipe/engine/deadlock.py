@@ -216,5 +216,7 @@ class DeadlockWatch:
             "clipping by norm (`clip_grad_norm_`: the norm is every stage's); or that sets "
             "`trainer.should_stop` in the LightningModule's own hooks on some ranks only (callbacks' stops are "
             "agreed over the ranks). Call those on every rank (Lightning writes files and logs on rank 0 only); "
-            "keep only the rest under rank zero."
+            "keep only the rest under rank zero. Or the ranks' training data ran out at different batches (an "
+            "`IterableDataset` that yields another number of samples in each process, or shards itself by "
+            "`get_worker_info`/rank across the stages): every stage of a pipeline must get the same batches."
         )
