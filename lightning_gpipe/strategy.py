@@ -806,7 +806,7 @@ class GPipeStrategy(ParallelStrategy):
     def _stage_weights(self) -> list[int]:
         """A fingerprint of each of this stage's backbone parameters (one pass over their bytes)."""
         assert self.pipe is not None
-        return [microbatch.fingerprint(p.detach()) for p in self.pipe.parameters()]
+        return microbatch.fingerprints([p.detach() for p in self.pipe.parameters()])
 
     def _weights_changed_since_split(self) -> int:
         """0 where this stage's backbone weights are as at the split (or nothing watches them); else a digest of the

@@ -150,6 +150,25 @@ def test_the_fingerprint_of_many_gpu_tensors_waits_for_the_gpu_once():
     assert fingerprint(swapped) != expected
 
 
+def test_the_fingerprints_of_a_stages_parameters_wait_for_the_gpu_once_and_equal_each_ones_fingerprint():
+    # the check of backbone weights changed after the split reads every parameter of a stage at setup and at the
+    # first step, one fingerprint each
+    from lightning_gpipe.engine.microbatch import fingerprint, fingerprints
+
+    device = torch.device("cuda")
+    parameters = [torch.randn(64, device=device) for _ in range(100)] + [torch.randn(2**22 + 3, device=device)]
+    expected = fingerprints(parameters)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as said:
+            got = fingerprints(parameters)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got == expected == [fingerprint(p) for p in parameters]
+    assert len([w for w in said if "synchroniz" in str(w.message)]) == 1
+
+
 @pytest.mark.parametrize("mode", ["never", "always", "except_last"])
 def test_an_in_place_first_layer_on_the_gpu_trains_as_the_plain_sequential(mode):
     # the first stage's leaves alias the batch's CUDA memory (engine/stage_input.py); the input needs grad, as

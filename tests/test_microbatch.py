@@ -86,3 +86,10 @@ def test_fingerprint_covers_every_dtype_a_batch_may_hold():
     for dtype in (torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int32, torch.complex64):
         t = torch.ones(4, 2).to(dtype)
         assert microbatch.fingerprint(t) == microbatch.fingerprint(t.clone()) != 0
+
+
+def test_fingerprints_of_several_tensors_are_each_tensors_own_fingerprint():
+    # the strategy compares a stage's parameters one by one (which changed) from one pass over all of them
+    parts = [torch.randn(3, 4), torch.arange(5), torch.zeros(0), torch.randn(2, 2).t(), torch.tensor(1.5)]
+    got = microbatch.fingerprints(parts)
+    assert got == [microbatch.fingerprint(t) for t in parts] and len(set(got)) == len(parts)
