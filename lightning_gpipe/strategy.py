@@ -1383,6 +1383,8 @@ class GPipeStrategy(ParallelStrategy):
                 saved = optim_state.from_named(saved)
             optimizer.load_state_dict(optim_state.localize(saved, optimizer, module, layout))
         optimizers_to_device(self.optimizers, self.root_device)
+        # after the callbacks' restore, which may load weights too (EMAWeightAveraging's current weights)
+        self._note_weights_at_split(self._weights_at_split is not None)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
