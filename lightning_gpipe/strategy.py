@@ -92,11 +92,12 @@ from lightning_gpipe.engine.gradients import clip_grad_norm_, stage_norm_keys
 from lightning_gpipe.engine.host_malloc import keep_freed_memory
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
 from lightning_gpipe.engine.outer_layers import OuterLayers
-from lightning_gpipe.engine.partition import balance as optimal_balance
 from lightning_gpipe.engine.partition import (
     balance_by_params,
+    balance_keeping_together,
     check_balance_entries,
     parameter_costs,
+    shared_spans,
     split_table,
     validate_balance,
 )
@@ -578,12 +579,14 @@ class GPipeStrategy(ParallelStrategy):
                 kind = "params"
                 balance = balance_by_params(sequential, stages)
             else:
-                if self._default_balance:  # the split by time, or a faster one the replay of a step finds near it
+                together = shared_spans(sequential)  # a module object in several layers stays on one stage
+                if self._default_balance and not together:  # by time, or a faster split a replayed step finds
                     balance, moved = searched_split(self.layer_costs, stages, int(self.chunks), self.checkpoint)
                     if moved is not None:
                         rank_zero_info(moved)
                 else:
-                    balance = optimal_balance(self.layer_costs.of(kind), stages)
+                    by = self.layer_costs.of("time" if self._default_balance else kind)
+                    balance = balance_keeping_together(by, stages, together)
                 self._check_costs = list(self.layer_costs.time) if stages > 1 else None
                 self._train_batches = 0  # counted from this setup's first training batch
         costs = self.layer_costs

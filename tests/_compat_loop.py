@@ -303,6 +303,14 @@ def built_under_init_module() -> Scenario:
     return Scenario(Base(), before_fit=_build_under_init_module)
 
 
+def module_in_two_places() -> Scenario:
+    # one Linear object at layers 2 and 4 (a weight-shared block applied twice): the default split by time keeps
+    # layers 2-4 on one stage; it put them on two before, and setup failed
+    shared = nn.Linear(12, 12)
+    layers = [nn.Linear(FEATURES, 12), nn.Tanh(), shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(12, CLASSES)]
+    return Scenario(Base(nn.Sequential(*layers)))
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -333,5 +341,6 @@ SCENARIOS = {
         autocast_in_step,
         weights_loaded_in_on_fit_start,
         built_under_init_module,
+        module_in_two_places,
     )
 }

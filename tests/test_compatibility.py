@@ -112,6 +112,7 @@ def test_feature_trains_as_on_one_device(name, runs):
         "frozen_last_layer",
         "validation_every_two_steps",
         "built_under_init_module",
+        "module_in_two_places",
     ],
 )
 def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):

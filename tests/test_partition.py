@@ -6,6 +6,7 @@ import random
 import pytest
 from torch import nn
 
+from lightning_gpipe.engine import partition
 from lightning_gpipe.engine.partition import balance, balance_by_params, parameter_costs, stage_bounds, validate_balance
 
 
@@ -87,3 +88,26 @@ def test_explicit_balance_entries_must_be_positive_integers(bad):
 
 def test_stage_bounds():
     assert stage_bounds([2, 1, 3]) == [(0, 2), (2, 3), (3, 6)]
+
+
+def test_an_automatic_split_keeps_a_module_used_in_several_layers_on_one_stage():
+    # the same Linear object at layers 1 and 3 (and a shared submodule at 4 and 6): find_ties refuses a split
+    # between its places, so the automatic splits never make one
+    block, inner = nn.Linear(8, 8), nn.Linear(8, 8)
+    module = nn.Sequential(
+        nn.Linear(8, 8), block, nn.Tanh(), block, nn.Sequential(inner), nn.Tanh(), nn.Sequential(inner, nn.Tanh())
+    )
+    assert partition.shared_spans(module) == [(1, 3), (4, 6)]
+    assert partition.shared_spans(nn.Sequential(block, nn.Tanh(), block, inner, block)) == [(0, 4)]  # merged
+    for stages in (2, 3):
+        balance = partition.balance_by_params(module, stages)
+        cuts = {sum(balance[:s]) for s in range(1, stages)}
+        assert not cuts & {2, 3, 5, 6}, balance
+    assert partition.balance_keeping_together([5.0, 1, 1, 1, 5], 2, [(1, 3)]) == [1, 4]
+    assert partition.balance_keeping_together([1.0, 1, 1, 1], 2, []) == partition.balance([1.0, 1, 1, 1], 2)
+
+
+def test_a_module_shared_across_every_layer_leaves_too_few_parts_and_the_error_names_sharing_parameters_only():
+    block = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"layers 0-2 share a module object .* leaves 1 part\(s\).*second.weight"):
+        partition.balance_by_params(nn.Sequential(block, block, block), 2)

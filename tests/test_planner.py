@@ -395,3 +395,16 @@ def test_the_plan_profile_takes_the_sizes_in_turns_and_keeps_each_layers_fastest
     for size in (2, 4):
         assert costs.layers(size)[0].forward < 0.02  # the quiet round, not the spell's 0.05 s
         assert costs.layers(size)[0].activation_bytes > 0  # the bytes from the counting sweep are kept
+
+
+@pytest.mark.parametrize("balance", ["auto", "time", "params", "memory"])
+def test_the_planners_splits_keep_a_module_used_in_two_layers_on_one_stage(balance):
+    # the planner's split functions and its search near the split by time would cut between the places of one
+    # module object, which the pipeline cannot run on two stages
+    from lightning_gpipe.balancing.plan.auto import choose
+
+    torch.manual_seed(0)
+    block = nn.Linear(16, 16)
+    module = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), block, nn.Tanh(), block, nn.Tanh(), nn.Linear(16, 16))
+    choice, _ = choose(module, torch.randn(8, 16), 2, "auto", "never", balance, torch.device("cpu"))
+    assert choice.balance[0] not in (3, 4), choice.balance  # a cut before layer 3 or 4 would split layers 2-4

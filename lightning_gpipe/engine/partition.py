@@ -11,9 +11,11 @@ from torch import nn
 __all__ = [
     "balance",
     "balance_by_params",
+    "balance_keeping_together",
     "check_balance_entries",
     "layer_span",
     "parameter_costs",
+    "shared_spans",
     "split_table",
     "stage_bounds",
     "stage_costs",
@@ -93,8 +95,65 @@ def parameter_costs(module: nn.Sequential) -> list[float]:
 
 
 def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
-    """The optimal split of ``module`` by parameter count."""
-    return balance(parameter_costs(module), stages)
+    """The optimal split of ``module`` by parameter count that keeps each of its :func:`shared_spans` on one stage."""
+    return balance_keeping_together(parameter_costs(module), stages, shared_spans(module))
+
+
+def shared_spans(module: nn.Sequential) -> list[tuple[int, int]]:
+    """The layer ranges ``(first, last)`` that must share a stage, merged where they overlap.
+
+    A module object with parameters or buffers that appears in several layers (``block`` in
+    ``nn.Sequential(a, block, b, block)``) cannot run on two stages: its state and its code would live in two
+    processes. An automatic split keeps the layers from its first place to its last on one stage.
+
+    >>> block = nn.Linear(2, 2)
+    >>> shared_spans(nn.Sequential(nn.Linear(2, 2), block, nn.Tanh(), block, nn.Linear(2, 2)))
+    [(1, 3)]
+    """
+    places: dict[int, list[int]] = {}
+    for index, layer in enumerate(module):
+        for sub in layer.modules():
+            if any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False)):
+                where = places.setdefault(id(sub), [])
+                if index not in where:
+                    where.append(index)
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted((where[0], where[-1]) for where in places.values() if len(where) > 1):
+        if merged and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(last, merged[-1][1]))
+        else:
+            merged.append((first, last))
+    return merged
+
+
+def balance_keeping_together(costs: Sequence[float], stages: int, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """:func:`balance` of ``costs`` with each span of layers (``(first, last)``, disjoint) kept on one stage.
+
+    >>> balance_keeping_together([1, 1, 1, 1], 2, [(1, 2)])
+    [1, 3]
+    """
+    if not spans:
+        return balance(costs, stages)
+    ends = dict(spans)
+    sizes: list[int] = []  # layers per group: a span, or a layer outside every span
+    while sum(sizes) < len(costs):
+        start = sum(sizes)
+        sizes.append(ends.get(start, start) - start + 1)
+    if len(sizes) < stages:
+        together = ", ".join(f"layers {first}-{last}" for first, last in spans)
+        raise ValueError(
+            f"Cannot split {len(costs)} layers into {stages} stages: {together} share a module object (one module "
+            f"with parameters or buffers in several places), which must stay on one stage, and that leaves "
+            f"{len(sizes)} part(s). Use a separate module for each place and share only the parameters (e.g. "
+            "`second.weight = first.weight`): parameters shared across stages are kept tied by the pipeline."
+        )
+    bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
+    grouped = balance([sum(costs[bounds[g] : bounds[g + 1]]) for g in range(len(sizes))], stages)
+    layers, group = [], 0
+    for count in grouped:
+        layers.append(bounds[group + count] - bounds[group])
+        group += count
+    return layers
 
 
 def validate_balance(balance: Sequence[int], layers: int, stages: int | None = None) -> list[int]:

@@ -20,8 +20,7 @@ from lightning_gpipe.balancing.plan.link import LinkModel
 from lightning_gpipe.balancing.plan.measure import micro_batch_sizes, profile_for_plan
 from lightning_gpipe.balancing.plan.search import Splitter, by_time, checkpoint_modes, chunk_grid, plan, plan_table
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.engine.partition import balance as optimal_balance
-from lightning_gpipe.engine.partition import parameter_costs
+from lightning_gpipe.engine.partition import balance_keeping_together, parameter_costs, shared_spans
 
 __all__ = ["AUTO", "AutoChoice", "choose"]
 
@@ -44,14 +43,20 @@ def _splitter(balance: Union[str, Sequence[int]], module: nn.Sequential) -> Spli
     if not isinstance(balance, str):
         fixed = list(balance)
         return lambda model, stages, size: fixed
+    together = shared_spans(module)  # a module object in several layers stays on one stage
     if balance == "params":
         params = parameter_costs(module)
-        return lambda model, stages, size: optimal_balance(params, stages)
+        return lambda model, stages, size: balance_keeping_together(params, stages, together)
     if balance == "memory":
-        return lambda model, stages, size: optimal_balance(
-            [s + r.activation_bytes for s, r in zip(model.state_bytes, model.layers(size))], stages
+        return lambda model, stages, size: balance_keeping_together(
+            [s + r.activation_bytes for s, r in zip(model.state_bytes, model.layers(size))], stages, together
         )
-    return by_time  # "time" and "auto" start from the split by time; "auto" then searches near it (`plan`)
+    # "time" and "auto" start from the split by time; "auto" then searches near it (`plan`)
+    return (
+        by_time
+        if not together
+        else lambda model, stages, size: balance_keeping_together(model.time(size), stages, together)
+    )
 
 
 def choose(
@@ -73,7 +78,8 @@ def choose(
     model = profile_for_plan(module, sample, micro_batch_sizes(batch_size, grid), device, context=context)
     modes = checkpoint_modes if checkpoint == AUTO else (lambda m: [checkpoint])
     splits = [_splitter(balance, module)]
-    result = plan(model, stages, batch_size, link, max_memory, grid, modes, splits, search=balance == AUTO)
+    search = balance == AUTO and not shared_spans(module)  # the search moves single cuts, into a shared span too
+    result = plan(model, stages, batch_size, link, max_memory, grid, modes, splits, search=search)
     best = result.choice
     return (
         AutoChoice(
