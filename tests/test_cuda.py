@@ -8,6 +8,7 @@ there are two.
 from __future__ import annotations
 
 import copy
+from typing import Any, Callable
 
 import _models as M
 import _sweeps
@@ -125,6 +126,18 @@ def test_the_fingerprint_on_a_gpu_tells_apart_one_ulp_an_order_a_shape_and_a_dty
     )
 
 
+def _with_synchronizations(call: Callable[[], Any]) -> tuple[Any, int]:
+    """What ``call`` returns, and how many times it waited for the GPU (CUDA's synchronization debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as said:
+            result = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return result, len([w for w in said if "synchroniz" in str(w.message)])
+
+
 def test_the_fingerprint_of_many_gpu_tensors_waits_for_the_gpu_once():
     # the per-step check of the layers outside the backbone: a stem of many BatchNorm buffers must not pay one
     # synchronization per tensor; the sums reach the host together
@@ -133,15 +146,8 @@ def test_the_fingerprint_of_many_gpu_tensors_waits_for_the_gpu_once():
     device = torch.device("cuda")
     buffers = [torch.randn(64, device=device) for _ in range(200)] + [torch.randn(2**22 + 3, device=device)]
     expected = fingerprint(buffers)  # also warms up the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with pytest.warns(UserWarning, match="synchroniz") as said:
-            got = fingerprint(buffers)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert got == expected
-    assert len([w for w in said if "synchroniz" in str(w.message)]) == 1
+    got, waits = _with_synchronizations(lambda: fingerprint(buffers))
+    assert got == expected and waits == 1
     changed = [b.clone() for b in buffers]
     changed[150][3] += 1
     assert fingerprint(changed) != expected
@@ -158,15 +164,8 @@ def test_the_fingerprints_of_a_stages_parameters_wait_for_the_gpu_once_and_equal
     device = torch.device("cuda")
     parameters = [torch.randn(64, device=device) for _ in range(100)] + [torch.randn(2**22 + 3, device=device)]
     expected = fingerprints(parameters)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with pytest.warns(UserWarning, match="synchroniz") as said:
-            got = fingerprints(parameters)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert got == expected == [fingerprint(p) for p in parameters]
-    assert len([w for w in said if "synchroniz" in str(w.message)]) == 1
+    got, waits = _with_synchronizations(lambda: fingerprints(parameters))
+    assert got == expected == [fingerprint(p) for p in parameters] and waits == 1
 
 
 @pytest.mark.parametrize("mode", ["never", "always", "except_last"])
