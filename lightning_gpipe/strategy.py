@@ -73,7 +73,6 @@ from lightning_gpipe.engine.agreement import (
     DIFFERENT_LOSS_CAUSES,
     DIFFERENT_SETTINGS_CAUSES,
     FREED_BY_THE_DRAIN,
-    WEIGHTS_CHANGED_AFTER_THE_SPLIT,
     digest,
     first_difference,
     loss_bits,
@@ -104,6 +103,7 @@ from lightning_gpipe.engine.partition import (
 from lightning_gpipe.engine.pipe import DEADLOCK_MARGIN, GPipe, refuse_lazy_layers
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
+from lightning_gpipe.engine.split_weights import SplitWeights, judge
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
@@ -331,10 +331,8 @@ class GPipeStrategy(ParallelStrategy):
         self._outer: Optional[OuterLayers] = None  # every stage's copy of the layers outside the backbone
         self._rng_resynced = False  # whether the stages' random states were found apart and made one (said once)
         self._outer_resynced = False  # the same for the layers outside the backbone
-        #: this stage's backbone weights (a fingerprint each) when the split was made or a checkpoint restored into
-        #: it, until the first training step of a fit compares them (:meth:`_refuse_random_weights_after_the_split`)
-        self._weights_at_split: Optional[list[int]] = None
-        self._rng_apart_since_split = False  # whether the stages' random states were found apart since then
+        #: this stage's backbone weights since the split or a restore, until the first training step of a fit
+        self._split_weights = SplitWeights()
         self._last_loss: Optional[Tensor] = None  # what the last training_step returned: compared before the next
         self._saved_model_keys: Optional[list[str]] = (
             None  # a sharded checkpoint's model keys (each stage reads its own)
@@ -727,7 +725,7 @@ class GPipeStrategy(ParallelStrategy):
         count_throughput_per_pipeline(trainer, self.layout.num_replicas, self.layout.pipe_size)
         write_once_per_pipeline(trainer, first_stage=self.layout.stage_of(self.global_rank) == 0)
         walk_stages_in_finetuning()
-        self._note_weights_at_split(trainer.state.fn == TrainerFn.FITTING)
+        self._note_split_weights(trainer.state.fn == TrainerFn.FITTING)
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             callbacks[:] = [c for c in callbacks if not isinstance(c, StopTogether)] + [StopTogether(self._any_stops)]
@@ -791,89 +789,30 @@ class GPipeStrategy(ParallelStrategy):
         settings = optimizer_settings([_unwrap(o) for o in self.optimizers], trainer.global_step)
         outer = self._outer.fingerprint() if self._outer is not None else 0
         loss = loss_bits(self._last_loss)
-        drawn = self._weights_changed_since_split()
+        drawn = self._split_weights.changed(pipe.parameters())
         mine = torch.tensor(
             [digest(state), digest(settings), outer, loss, drawn], dtype=torch.int64, device=self.root_device
         )
         watch = self._watch("a comparison of the stages' random states, optimizer settings, outer layers and losses")
         digests = distributed.all_gather(mine, pipe.group, watch)
         self._refuse_different_losses(digests[:, 3], f"the training step before batch {self._batch_idx}")
-        if self._weights_at_split is not None:
-            apart = self._rng_apart_since_split or bool((digests[:, 0] != digests[0, 0]).any())
-            self._refuse_random_weights_after_the_split(digests[:, 4], apart)
+        if self._split_weights.watching:  # the first training step of a fit: a hook's random weights are refused
+            apart = self._split_weights.rng_apart or bool((digests[:, 0] != digests[0, 0]).any())
+            self._split_weights.note(None)
+            said = judge(digests[:, 4].tolist(), apart, pipe.ranks, self._batch_idx)
+            if said is not None:
+                rank_zero_warn(said)
         if bool((digests[:, 1] != digests[0, 1]).any()):
             self._refuse_different_settings(settings, trainer.current_epoch)
         self._take_first_stages_state(digests[:, 0], state)
         self._take_first_stages_outer_layers(digests[:, 2], f"Before training batch {self._batch_idx}")
 
-    def _stage_weights(self) -> list[int]:
-        """A fingerprint of each of this stage's backbone parameters (one pass over their bytes)."""
-        assert self.pipe is not None
-        return microbatch.fingerprints([p.detach() for p in self.pipe.parameters()])
-
-    def _weights_changed_since_split(self) -> int:
-        """0 where this stage's backbone weights are as at the split (or nothing watches them); else a digest of the
-        parameters that changed and hold more than one value, or 1 where every changed one holds a single value (a
-        constant, which no random draw makes)."""
-        if self._weights_at_split is None:
-            return 0
-        now = self._stage_weights()
-        if now == self._weights_at_split:
-            return 0
-        assert self.pipe is not None
-        drawn = [
-            value
-            for p, value, then in zip(self.pipe.parameters(), now, self._weights_at_split)
-            if value != then and p.numel() > 1 and bool((p.detach() != p.detach().flatten()[0]).any())
-        ]
-        return max(digest(drawn), 2) if drawn else 1
-
-    def _note_weights_at_split(self, fitting: bool) -> None:
-        """Keep this stage's weights' fingerprint where the split was made (the end of setup) or a restore filled
-        it, so that the first training step can tell a hook's change after the split (see
-        :meth:`_refuse_random_weights_after_the_split`). Only for a fit over several stages."""
+    def _note_split_weights(self, fitting: bool) -> None:
+        """Fingerprint this stage's weights where the split was made (the end of setup) or a restore filled it, for
+        a fit over several stages (:mod:`lightning_gpipe.engine.split_weights`); else watch nothing."""
         pipe = self.pipe
-        self._rng_apart_since_split = False
-        self._weights_at_split = self._stage_weights() if fitting and pipe is not None and pipe.group else None
-
-    def _refuse_random_weights_after_the_split(self, changed: Tensor, rng_apart: bool) -> None:
-        """At the first training step of a fit: whether hooks changed the backbone's weights after the split.
-
-        ``changed`` holds :meth:`_weights_changed_since_split` per stage (the same on every stage). Hooks that run
-        between the split and the first step (``on_fit_start``, ``on_train_start``, a callback's) reach this stage's
-        layers only. Weights loaded there equal one device's, but a random (re-)initialization draws each stage's
-        layers from the start of the random stream: 1.05 off one device in a probe (``nn.init.xavier_uniform_``
-        over ``self.backbone.modules()`` in ``on_fit_start``), without a word. Stages of unequal sizes then also
-        drew unequal amounts, which parts their random states (``rng_apart``); stages of equal shapes drew the very
-        same values instead. Either is a random change, and every stage raises. Otherwise (fixed values loaded, or
-        draws that neither shows) rank 0 warns.
-        """
-        self._weights_at_split = None
-        pipe = self.pipe
-        assert pipe is not None
-        drawn = changed.tolist()
-        stages = [stage for stage, value in enumerate(drawn) if value]
-        if not stages:
-            return
-        where = " and ".join(f"stage {stage} (rank {pipe.ranks[stage]})" for stage in stages)
-        alike = len(stages) == len(drawn) and drawn[0] != 1 and len(set(drawn)) == 1
-        if rng_apart or alike:
-            evidence = (
-                "the stages drew different amounts of random numbers"
-                if rng_apart
-                else "every stage's changed weights now hold the very same values, as stages of equal shapes that "
-                "drew from the same point of the random stream do"
-            )
-            raise PipelineError(
-                f"Between the backbone's split (the strategy's setup) and training batch {self._batch_idx}, code "
-                f"changed the backbone's weights on {where}, and {evidence}: a random (re-)initialization or "
-                "perturbation of the backbone after the split, which would train other weights than one device's. "
-                f"{WEIGHTS_CHANGED_AFTER_THE_SPLIT}"
-            )
-        rank_zero_warn(
-            f"Between the backbone's split (the strategy's setup) and training batch {self._batch_idx}, code changed "
-            f"the backbone's weights on {where}. {WEIGHTS_CHANGED_AFTER_THE_SPLIT}"
-        )
+        watch = fitting and pipe is not None and pipe.group is not None
+        self._split_weights.note(pipe.parameters() if watch and pipe is not None else None)
 
     def _refuse_different_settings(self, settings: dict[str, Any], epoch: int) -> NoReturn:
         """Every stage of the pipeline raises alike: the stages' optimizer settings differ (collective)."""
@@ -900,7 +839,7 @@ class GPipeStrategy(ParallelStrategy):
         if bool((digests == digests[0]).all()):
             return
         set_rng_state(pipe.broadcast(state), self.root_device)
-        self._rng_apart_since_split = self._weights_at_split is not None
+        self._split_weights.rng_apart = self._split_weights.watching
         if not self._rng_resynced:
             self._rng_resynced = True
             apart = [rank for rank, digest in zip(pipe.ranks, digests.tolist()) if digest != digests[0].item()]
@@ -1387,7 +1326,7 @@ class GPipeStrategy(ParallelStrategy):
             optimizer.load_state_dict(optim_state.localize(saved, optimizer, module, layout))
         optimizers_to_device(self.optimizers, self.root_device)
         # after the callbacks' restore, which may load weights too (EMAWeightAveraging's current weights)
-        self._note_weights_at_split(self._weights_at_split is not None)
+        self._note_split_weights(self._split_weights.watching)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -1534,7 +1473,7 @@ class GPipeStrategy(ParallelStrategy):
             state_dict = model_state.local_state_dict(state_dict, self.pipe, self.backbone + ".")
         module.load_state_dict(state_dict, strict=strict)
         trainer = self._trainer()  # a restore after setup (a resume, the learning rate finder's): its values count
-        self._note_weights_at_split(trainer is not None and trainer.state.fn == TrainerFn.FITTING)
+        self._note_split_weights(trainer is not None and trainer.state.fn == TrainerFn.FITTING)
 
     # -- failure and teardown --------------------------------------------------------------------------
 

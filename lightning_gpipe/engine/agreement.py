@@ -25,7 +25,6 @@ __all__ = [
     "DIFFERENT_LOSS_CAUSES",
     "DIFFERENT_SETTINGS_CAUSES",
     "FREED_BY_THE_DRAIN",
-    "WEIGHTS_CHANGED_AFTER_THE_SPLIT",
     "NO_LOSS",
     "digest",
     "first_difference",
@@ -64,17 +63,6 @@ FREED_BY_THE_DRAIN = (
     "backward (the drain) has already back-propagated and freed each micro-batch's graph through that layer, and "
     "only the stage that holds the layer has the term at all. Compute such a term from the backbone's output, or "
     "in a layer outside the backbone."
-)
-#: Why backbone weights changed between the split and the first step can differ from one device's, and what to do.
-WEIGHTS_CHANGED_AFTER_THE_SPLIT = (
-    "These hooks (`on_fit_start`, `on_train_start`, `on_train_epoch_start`, `on_train_batch_start`, a callback's) run "
-    "after the backbone was split, when each process holds only its own stage's layers: `self.backbone.modules()`, "
-    "`self.apply(...)` and `self.parameters()` reach this stage's layers alone. Fixed values loaded there "
-    "(`self.backbone.load_state_dict(...)`) train as on one device. Values drawn at random do not: one device draws "
-    "every layer in turn from one random stream, while here each stage draws its own layers from the stream's start, "
-    "so the stages' layers take other values than one device's. Initialize or perturb the weights at random in "
-    "`__init__`, `setup()` or `configure_model()`, where every rank still holds the whole backbone (every stage then "
-    "starts from the first rank's weights)."
 )
 #: :func:`loss_bits` of a step that returned no loss (manual optimization, a skipped batch): not compared.
 NO_LOSS = -(2**63)
