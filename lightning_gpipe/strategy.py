@@ -810,9 +810,8 @@ class GPipeStrategy(ParallelStrategy):
     def _note_split_weights(self, fitting: bool) -> None:
         """Fingerprint this stage's weights where the split was made (the end of setup) or a restore filled it, for
         a fit over several stages (:mod:`lightning_gpipe.engine.split_weights`); else watch nothing."""
-        pipe = self.pipe
-        watch = fitting and pipe is not None and pipe.group is not None
-        self._split_weights.note(pipe.parameters() if watch and pipe is not None else None)
+        pipe = self.pipe if fitting else None
+        self._split_weights.note(pipe.parameters() if pipe is not None and pipe.group is not None else None)
 
     def _refuse_different_settings(self, settings: dict[str, Any], epoch: int) -> NoReturn:
         """Every stage of the pipeline raises alike: the stages' optimizer settings differ (collective)."""

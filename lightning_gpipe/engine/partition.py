@@ -15,6 +15,7 @@ __all__ = [
     "check_balance_entries",
     "layer_span",
     "parameter_costs",
+    "shared_modules",
     "shared_spans",
     "split_table",
     "stage_bounds",
@@ -99,26 +100,34 @@ def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
     return balance_keeping_together(parameter_costs(module), stages, shared_spans(module))
 
 
-def shared_spans(module: nn.Sequential) -> list[tuple[int, int]]:
-    """The layer ranges ``(first, last)`` that must share a stage, merged where they overlap.
+def shared_modules(module: nn.Sequential) -> list[tuple[nn.Module, str, list[int]]]:
+    """Each module object with parameters or buffers that appears in several layers of ``module``: the object, its
+    name at its first place, and its layers, outer modules first.
 
-    A module object with parameters or buffers that appears in several layers (``block`` in
-    ``nn.Sequential(a, block, b, block)``) cannot run on two stages: its state and its code would live in two
-    processes. An automatic split keeps the layers from its first place to its last on one stage.
+    Such a module cannot run on two stages: its state and its code would live in two processes (stateless ones,
+    a shared ``nn.ReLU``, can). An automatic split keeps its places on one stage (:func:`shared_spans`); a given
+    split that does not is refused (``tied.find_ties``).
+    """
+    owners: dict[int, tuple[nn.Module, str, list[int]]] = {}
+    for index, layer in enumerate(module):
+        for path, sub in layer.named_modules(prefix=str(index)):
+            if any(True for _ in sub.parameters()) or any(True for _ in sub.buffers()):
+                entry = owners.setdefault(id(sub), (sub, path, []))
+                if index not in entry[2]:
+                    entry[2].append(index)
+    return [entry for entry in owners.values() if len(entry[2]) > 1]
+
+
+def shared_spans(module: nn.Sequential) -> list[tuple[int, int]]:
+    """The layer ranges ``(first, last)`` of :func:`shared_modules` that a split must keep on one stage, merged
+    where they overlap.
 
     >>> block = nn.Linear(2, 2)
     >>> shared_spans(nn.Sequential(nn.Linear(2, 2), block, nn.Tanh(), block, nn.Linear(2, 2)))
     [(1, 3)]
     """
-    places: dict[int, list[int]] = {}
-    for index, layer in enumerate(module):
-        for sub in layer.modules():
-            if any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False)):
-                where = places.setdefault(id(sub), [])
-                if index not in where:
-                    where.append(index)
     merged: list[tuple[int, int]] = []
-    for first, last in sorted((where[0], where[-1]) for where in places.values() if len(where) > 1):
+    for first, last in sorted((layers[0], layers[-1]) for _, _, layers in shared_modules(module)):
         if merged and first <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(last, merged[-1][1]))
         else:
@@ -136,9 +145,10 @@ def balance_keeping_together(costs: Sequence[float], stages: int, spans: Sequenc
         return balance(costs, stages)
     ends = dict(spans)
     sizes: list[int] = []  # layers per group: a span, or a layer outside every span
-    while sum(sizes) < len(costs):
-        start = sum(sizes)
+    start = 0
+    while start < len(costs):
         sizes.append(ends.get(start, start) - start + 1)
+        start += sizes[-1]
     if len(sizes) < stages:
         together = ", ".join(f"layers {first}-{last}" for first, last in spans)
         raise ValueError(

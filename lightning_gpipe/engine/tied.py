@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from lightning_gpipe.engine.distributed import backend_for, new_group
 from lightning_gpipe.engine.failure import PipelineError
 from lightning_gpipe.engine.microbatch import as_bits
-from lightning_gpipe.engine.partition import stage_bounds
+from lightning_gpipe.engine.partition import shared_modules, stage_bounds
 from lightning_gpipe.engine.replicas import with_presence
 from lightning_gpipe.engine.topology import PipeLayout
 
@@ -75,17 +75,11 @@ def find_ties(module: nn.Sequential, balance: list[int]) -> list[Tie]:
     by separate modules, which is what the error suggests. Stateless modules (a shared ``nn.ReLU``) are fine.
     """
     where = _stage_of_layers(list(balance))
-    owners: dict[int, tuple[nn.Module, str, list[int]]] = {}
     spots: dict[int, list[tuple[int, str]]] = {}
     for index, layer in enumerate(module):
-        for path, sub in layer.named_modules(prefix=str(index)):
-            if any(True for _ in sub.parameters()) or any(True for _ in sub.buffers()):
-                entry = owners.setdefault(id(sub), (sub, path, []))
-                if index not in entry[2]:
-                    entry[2].append(index)
         for name, p in layer.named_parameters(remove_duplicate=False):
             spots.setdefault(id(p), []).append((index, f"{index}.{name}"))
-    for sub, path, layers in owners.values():
+    for sub, path, layers in shared_modules(module):
         stages = sorted({where[i] for i in layers})
         if len(stages) > 1:
             what = (
