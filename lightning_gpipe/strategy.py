@@ -95,8 +95,8 @@ from lightning_gpipe.engine.partition import (
     balance_by_params,
     balance_keeping_together,
     check_balance_entries,
+    kept_together,
     parameter_costs,
-    shared_spans,
     split_table,
     validate_balance,
 )
@@ -577,7 +577,8 @@ class GPipeStrategy(ParallelStrategy):
                 kind = "params"
                 balance = balance_by_params(sequential, stages)
             else:
-                together = shared_spans(sequential)  # a module object in several layers stays on one stage
+                # a module object in several layers, and a layer whose output cannot leave a stage, stay on one stage
+                together = kept_together(sequential, self.layer_costs.crossable)
                 if self._default_balance and not together:  # by time, or a faster split a replayed step finds
                     balance, moved = searched_split(self.layer_costs, stages, int(self.chunks), self.checkpoint)
                     if moved is not None:

@@ -113,6 +113,7 @@ def test_feature_trains_as_on_one_device(name, runs):
         "validation_every_two_steps",
         "built_under_init_module",
         "module_in_two_places",
+        "lstm_in_backbone",
     ],
 )
 def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):

@@ -107,7 +107,22 @@ def test_an_automatic_split_keeps_a_module_used_in_several_layers_on_one_stage()
     assert partition.balance_keeping_together([1.0, 1, 1, 1], 2, []) == partition.balance([1.0, 1, 1, 1], 2)
 
 
+def test_a_layer_whose_output_cannot_leave_a_stage_is_kept_with_the_next_and_merged_with_shared_spans():
+    block = nn.Linear(4, 4)
+    module = nn.Sequential(nn.Tanh(), block, nn.Tanh(), block, nn.Tanh(), nn.Tanh(), nn.Tanh())
+    assert partition.kept_together(module) == [(1, 3)]
+    assert partition.kept_together(module, [True] * 7) == [(1, 3)]
+    # layer 3's output cannot leave: 3-4 overlaps the shared 1-3; layer 6 is the last, its output leaves no stage
+    assert partition.kept_together(module, [True, True, True, False, True, True, False]) == [(1, 4)]
+    assert partition.kept_together(module, [False, True, True, True, True, False, True]) == [(0, 3), (5, 6)]
+    costs = [1.0] * 7
+    balance = partition.balance_keeping_together(costs, 3, partition.kept_together(module, [False] + [True] * 6))
+    assert sum(balance[:1]) >= 4 and sum(balance) == 7, balance
+    with pytest.raises(ValueError, match=r"layers 0-6 must stay on one stage.*\(output, \(h, c\)\)"):
+        partition.balance_keeping_together(costs, 2, partition.kept_together(module, [False] * 7))
+
+
 def test_a_module_shared_across_every_layer_leaves_too_few_parts_and_the_error_names_sharing_parameters_only():
     block = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=r"layers 0-2 share a module object .* leaves 1 part\(s\).*second.weight"):
+    with pytest.raises(ValueError, match=r"layers 0-2 must stay on one stage, which leaves 1 part\(s\).*second.weight"):
         partition.balance_by_params(nn.Sequential(block, block, block), 2)

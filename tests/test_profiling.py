@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
@@ -121,6 +122,37 @@ def test_tuple_outputs_flow_to_the_next_layer():
         nn.Sequential(nn.Linear(4, 4), Split(), Join(), nn.Linear(4, 1)), torch.randn(3, 4), repeats=1
     )
     assert len(costs.time) == 4 and costs.params == [20, 0, 0, 5]
+
+
+def test_outputs_that_cannot_leave_a_stage_are_profiled_and_marked_so_an_automatic_split_keeps_the_next_layer():
+    # an LSTM's (output, (h, c)), a sequence-first tensor and a namedtuple run on one stage but cannot cross to
+    # another; the profile says which layers' outputs cannot, instead of failing the whole default split
+    class First(nn.Module):
+        def forward(self, pair):
+            out, (h, _) = pair
+            return out + h[-1].unsqueeze(1)
+
+    class SequenceFirst(nn.Module):
+        def forward(self, x):
+            return x.transpose(0, 1)
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Named(nn.Module):
+        def forward(self, x):
+            return Pair(x, x)
+
+    class Add(nn.Module):
+        def forward(self, pair):
+            return pair.a + pair.b
+
+    module = nn.Sequential(
+        nn.Linear(2, 4), nn.LSTM(4, 4, batch_first=True), First(), SequenceFirst(), SequenceFirst(), Named(), Add()
+    )
+    costs = profile_layers(module, torch.randn(3, 5, 2), repeats=1)
+    assert costs.crossable == (True, False, True, False, True, False, True)
+    assert costs.output_bytes[1] == 4 * (3 * 5 * 4 + 2 * 3 * 4)  # every tensor of the nested output counted
+    assert costs.time[1] > 0
 
 
 def test_bad_arguments():

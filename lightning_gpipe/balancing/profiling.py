@@ -49,7 +49,9 @@ class LayerCosts:
     (gradients of its intermediate tensors and of its input, a kernel's temporaries; the parameter
     gradients, which a step keeps in ``.grad`` anyway, left out), measured with
     :class:`~lightning_gpipe.balancing.live_bytes.LiveBytes`. ``batch`` is the micro-batch size profiled (0:
-    unknown). The extra fields are empty in costs built by hand for a split.
+    unknown). ``crossable`` says whether each layer's output can leave a stage
+    (:func:`~lightning_gpipe.engine.microbatch.crosses`: an LSTM's ``(output, (h, c))`` cannot), so that an
+    automatic split keeps the next layer with it. The extra fields are empty in costs built by hand for a split.
 
     >>> costs = LayerCosts(params=[10, 0], time=[2.0, 1.0], state_bytes=[160, 0], activation_bytes=[40, 40])
     >>> costs.of("memory"), costs.of("params")
@@ -67,6 +69,7 @@ class LayerCosts:
     output_counted: tuple[int, ...] = ()
     batch: int = 0
     backward_working: tuple[int, ...] = ()
+    crossable: tuple[bool, ...] = ()
 
     @property
     def memory(self) -> list[float]:
@@ -131,6 +134,7 @@ def profile_layers(
     inputs_counted = [0] * len(module)
     outputs_counted = [0] * len(module)
     workings = [0] * len(module)
+    crossable = [True] * len(module)
     pops = {route.key: route.pop_layer for route in find_skips(module) if route.pop_layer != route.stash_layer}
     # Whole sweeps, not repeats of one layer in a row: each layer then meets the caches and the
     # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
@@ -149,6 +153,8 @@ def profile_layers(
                         layer, x, input_saved, device, context, received, set(pops), count=sweep == 0
                     )
                     waiting.update({k: t.detach().requires_grad_(t.requires_grad) for k, t in leaving.items()})
+                    if index == len(module) - 1:
+                        microbatch.as_tuple(x)  # the output, joined over micro-batches, must be a Tensor or a tuple
                 except Exception as error:
                     raise RuntimeError(
                         f"Profiling layer {index} ({type(layer).__name__}) of the backbone failed with "
@@ -160,6 +166,7 @@ def profile_layers(
                     inputs_counted[index] = measured.input_counted
                     outputs_counted[index] = measured.output_counted
                     workings[index] = measured.backward_working
+                    crossable[index] = microbatch.crosses(x, microbatch.batch_size(sample))
                 else:
                     times[index].append(measured.forward + measured.backward)
                     forwards[index].append(measured.forward)
@@ -178,6 +185,7 @@ def profile_layers(
         output_counted=tuple(outputs_counted),
         batch=microbatch.batch_size(sample),
         backward_working=tuple(workings),
+        crossable=tuple(crossable),
     )
 
 
@@ -263,8 +271,8 @@ def _profile_layer(
             y, leaving, forward, backward, working = _forward_backward(
                 layer, x, context, tracker, received, crossing, device, live
             )
-        outputs_saved = [_storage(t)[0] in saved for t in microbatch.as_tuple(y)]
-        output_storages = {_storage(t) for t in microbatch.as_tuple(y)}
+        outputs_saved = [_storage(t)[0] in saved for t in microbatch.tensors(y)]
+        output_storages = {_storage(t) for t in microbatch.tensors(y)}
         input_storages = {_storage(t) for t in microbatch.tensors(x)}
         output_counted = sum(size for pointer, size in output_storages if pointer in saved)
         input_counted = sum(size for pointer, size in input_storages if pointer in saved)
@@ -279,7 +287,7 @@ def _profile_layer(
         if home is not None:
             layer.to(home)
     y = microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), y)
-    output = sum(t.numel() * t.element_size() for t in microbatch.as_tuple(y))
+    output = sum(t.numel() * t.element_size() for t in microbatch.tensors(y))
     measured = _Measured(forward, backward, sum(saved.values()), output, input_counted, output_counted, working)
     return y, measured, outputs_saved, leaving
 
@@ -305,7 +313,7 @@ def _forward_backward(
     synchronize(device)
     middle = time.perf_counter()
     leaving = {k: t for k, t in tracker.stashed.items() if k in crossing}
-    outputs = [t for t in [*microbatch.as_tuple(y), *leaving.values()] if t.requires_grad]
+    outputs = [t for t in [*microbatch.tensors(y), *leaving.values()] if t.requires_grad]
     inputs = [*microbatch.tensors(x), *received.values()]
     params = [p for p in layer.parameters() if p.requires_grad]
     wrt = [t for t in inputs if t.requires_grad] + params

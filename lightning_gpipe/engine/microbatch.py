@@ -22,6 +22,7 @@ __all__ = [
     "scatter",
     "gather",
     "as_tuple",
+    "crosses",
     "from_tuple",
     "fingerprint",
     "fingerprints",
@@ -157,6 +158,23 @@ def as_tuple(outputs: Any) -> tuple[Tensor, ...]:
         else "tuple of (" + ", ".join(type(t).__name__ for t in outputs) + ")"
     )
     raise TypeError(f"got {kinds}; a stage must return a Tensor or a tuple of Tensors")
+
+
+def crosses(outputs: Any, size: int) -> bool:
+    """Whether a layer's output for a micro-batch of ``size`` samples can leave a stage: a Tensor or a tuple of
+    Tensors, each with the samples in dim 0 (what :func:`as_tuple` and the stage's batch check accept).
+
+    An automatic split keeps a layer whose output cannot on one stage with the next layer. A namedtuple counts as
+    one that cannot: it would reach the next stage as a plain tuple, without its field names.
+
+    >>> crosses((torch.zeros(4, 2), torch.zeros(4)), 4), crosses((torch.zeros(4, 2), (torch.zeros(4),)), 4)
+    (True, False)
+    >>> crosses(torch.zeros(3, 4, 2), 4)  # sequence first: the samples are in dim 1
+    False
+    """
+    if isinstance(outputs, tuple) and not hasattr(outputs, "_fields"):
+        return all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == size for t in outputs)
+    return isinstance(outputs, Tensor) and outputs.dim() > 0 and outputs.shape[0] == size
 
 
 def from_tuple(values: tuple[Tensor, ...], is_tuple: bool) -> Outputs:

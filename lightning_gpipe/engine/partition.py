@@ -13,6 +13,7 @@ __all__ = [
     "balance_by_params",
     "balance_keeping_together",
     "check_balance_entries",
+    "kept_together",
     "layer_span",
     "parameter_costs",
     "shared_modules",
@@ -126,8 +127,24 @@ def shared_spans(module: nn.Sequential) -> list[tuple[int, int]]:
     >>> shared_spans(nn.Sequential(nn.Linear(2, 2), block, nn.Tanh(), block, nn.Linear(2, 2)))
     [(1, 3)]
     """
+    return _merged([(layers[0], layers[-1]) for _, _, layers in shared_modules(module)])
+
+
+def kept_together(module: nn.Sequential, crossable: Sequence[bool] = ()) -> list[tuple[int, int]]:
+    """The layer ranges an automatic split keeps on one stage, merged: :func:`shared_spans`, and each layer whose
+    output cannot leave a stage (``crossable[i]`` false, from the profile: see
+    :func:`~lightning_gpipe.engine.microbatch.crosses`) with the layer after it.
+
+    >>> kept_together(nn.Sequential(*[nn.Tanh() for _ in range(5)]), [True, False, False, True, True])
+    [(1, 3)]
+    """
+    stuck = [(i, i + 1) for i, ok in enumerate(crossable[: len(module) - 1]) if not ok]
+    return _merged([*shared_spans(module), *stuck])
+
+
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []
-    for first, last in sorted((layers[0], layers[-1]) for _, _, layers in shared_modules(module)):
+    for first, last in sorted(ranges):
         if merged and first <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(last, merged[-1][1]))
         else:
@@ -152,10 +169,13 @@ def balance_keeping_together(costs: Sequence[float], stages: int, spans: Sequenc
     if len(sizes) < stages:
         together = ", ".join(f"layers {first}-{last}" for first, last in spans)
         raise ValueError(
-            f"Cannot split {len(costs)} layers into {stages} stages: {together} share a module object (one module "
-            f"with parameters or buffers in several places), which must stay on one stage, and that leaves "
-            f"{len(sizes)} part(s). Use a separate module for each place and share only the parameters (e.g. "
-            "`second.weight = first.weight`): parameters shared across stages are kept tied by the pipeline."
+            f"Cannot split {len(costs)} layers into {stages} stages: {together} must stay on one stage, which leaves "
+            f"{len(sizes)} part(s). Layers stay together where one module object with parameters or buffers is in "
+            "several places: use a separate module for each place and share only the parameters (e.g. "
+            "`second.weight = first.weight`), which the pipeline keeps tied across stages. A layer also stays with "
+            "the next where its output cannot leave a stage (anything but a Tensor or a tuple of Tensors with the "
+            "samples in dim 0, such as an LSTM's `(output, (h, c))`): make such layers return one, or use fewer "
+            "devices."
         )
     bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
     grouped = balance([sum(costs[bounds[g] : bounds[g + 1]]) for g in range(len(sizes))], stages)

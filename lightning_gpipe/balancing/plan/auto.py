@@ -20,7 +20,7 @@ from lightning_gpipe.balancing.plan.link import LinkModel
 from lightning_gpipe.balancing.plan.measure import micro_batch_sizes, profile_for_plan
 from lightning_gpipe.balancing.plan.search import Splitter, by_time, checkpoint_modes, chunk_grid, plan, plan_table
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.engine.partition import balance_keeping_together, parameter_costs, shared_spans
+from lightning_gpipe.engine.partition import balance_keeping_together, kept_together, parameter_costs
 
 __all__ = ["AUTO", "AutoChoice", "choose"]
 
@@ -39,11 +39,11 @@ class AutoChoice:
     seconds: float
 
 
-def _splitter(balance: Union[str, Sequence[int]], module: nn.Sequential) -> Splitter:
+def _splitter(balance: Union[str, Sequence[int]], together: list[tuple[int, int]], module: nn.Sequential) -> Splitter:
+    """How ``balance`` splits, keeping each range of ``together`` on one stage (see ``partition.kept_together``)."""
     if not isinstance(balance, str):
         fixed = list(balance)
         return lambda model, stages, size: fixed
-    together = shared_spans(module)  # a module object in several layers stays on one stage
     if balance == "params":
         params = parameter_costs(module)
         return lambda model, stages, size: balance_keeping_together(params, stages, together)
@@ -77,8 +77,9 @@ def choose(
     grid = chunk_grid(batch_size) if chunks == AUTO else [min(int(chunks), batch_size)]
     model = profile_for_plan(module, sample, micro_batch_sizes(batch_size, grid), device, context=context)
     modes = checkpoint_modes if checkpoint == AUTO else (lambda m: [checkpoint])
-    splits = [_splitter(balance, module)]
-    search = balance == AUTO and not shared_spans(module)  # the search moves single cuts, into a shared span too
+    together = kept_together(module, model.profiles[0].crossable)
+    splits = [_splitter(balance, together, module)]
+    search = balance == AUTO and not together  # the search moves single cuts, into a span kept together too
     result = plan(model, stages, batch_size, link, max_memory, grid, modes, splits, search=search)
     best = result.choice
     return (
