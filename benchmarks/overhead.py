@@ -46,8 +46,8 @@ def check_seconds(workload: C.Workload, batch_size: int, chunks: int, device: to
     tag = Tag("forward", 12, 3, "training_step", fingerprint((x, y)))
 
     def message() -> None:
-        specs, got, is_tuple = decode(encode((micro,), (True,), False, tag))
-        check_message(Message((micro,), (True,), is_tuple, got), tag, "stage 0 (rank 0)", 1)
+        specs, got, structure = decode(encode((micro,), (True,), False, tag))
+        check_message(Message((micro,), (True,), structure, got), tag, "stage 0 (rank 0)", 1)
 
     per_message, per_batch = _median_seconds(message), _median_seconds(lambda: fingerprint((x, y)))
     messages = 2 * chunks + 2

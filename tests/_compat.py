@@ -286,6 +286,45 @@ def tuples_across_stages() -> Scenario:
     return Scenario(Base(backbone))  # split [2, 2]: the pair crosses the boundary
 
 
+class _ToDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, FEATURES)
+
+    def forward(self, x: Tensor) -> dict[str, Any]:
+        return {"x": self.linear(x), "mask": None, "scale": 0.5}
+
+
+class _DictTanh(nn.Module):
+    def forward(self, d: dict[str, Any]) -> dict[str, Any]:
+        return {**d, "x": torch.tanh(d["x"]) * d["scale"]}
+
+
+class _BatchFirstLSTM(nn.Module):
+    """An LSTM over the features as 3 steps of 2, returning ``(output, (h, c))`` with ``h`` and ``c`` batch first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(2, 4, batch_first=True)
+
+    def forward(self, d: dict[str, Any]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        out, (h, c) = self.lstm(d["x"].view(-1, FEATURES // 2, 2))
+        return out, (h.transpose(0, 1), c.transpose(0, 1))
+
+
+class _LastState(nn.Module):
+    def forward(self, pair: tuple[Tensor, tuple[Tensor, Tensor]]) -> Tensor:
+        out, (h, c) = pair
+        return (out + h + c).flatten(1)
+
+
+def structures_across_stages() -> Scenario:
+    # a dict with a None and a float beside the tensor, then an LSTM wrapper's nested (output, (h, c)): the split
+    # by time cuts at one of them
+    layers = [_ToDict(), _DictTanh(), _BatchFirstLSTM(), _LastState(), nn.Linear(4 * FEATURES // 2, CLASSES)]
+    return Scenario(Base(nn.Sequential(*layers)))
+
+
 class TunedRate(Base):
     """A learning rate that Lightning's learning rate finder sets (``lr``, read in ``configure_optimizers``)."""
 
@@ -698,6 +737,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         embedding_first,
         backbone_called_twice,
         tuples_across_stages,
+        structures_across_stages,
         lr_finder,
         throughput_monitor,
         same_trainer_after_fit,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 
 class Split(nn.Module):
@@ -85,6 +86,93 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
     return result
 
 
+Carry = collections.namedtuple("Carry", "x state")
+
+
+class Lift(nn.Module):
+    """Into a dict with a constant and a ``None`` beside the tensor: every boundary after it carries a structure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return {"x": self.linear(x), "mask": None, "scale": 0.5}
+
+
+class DictBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, d):
+        return {"x": torch.tanh(self.linear(d["x"])) * d["scale"], "mask": d["mask"], "scale": d["scale"]}
+
+
+class ToCarry(nn.Module):
+    def forward(self, d):
+        return Carry(d["x"], (d["x"].tanh(), d["x"] > 0))  # a namedtuple around a nested tuple with a bool tensor
+
+
+class CarryBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, carry):
+        state, positive = carry.state
+        return Carry(torch.tanh(self.linear(carry.x)) + state * positive, (state, positive))
+
+
+class Out(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+
+    def forward(self, carry):
+        state, positive = carry.state
+        return {"logits": self.linear(carry.x + state), "positive": positive.sum(1), "note": "per sample"}
+
+
+def structured_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Lift(), DictBlock(), DictBlock(), ToCarry(), CarryBlock(), CarryBlock(), Out())
+
+
+def structured_reference() -> tuple[float, dict, Tensor]:
+    x, y = data()
+    net = structured_model()
+    out = net(x.detach())
+    loss = F.cross_entropy(out["logits"], y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in net.named_parameters()}, out["positive"]
+
+
+def structured_pipeline(rank: int, world_size: int, settings: list[tuple[list[int], str]]) -> list[dict]:
+    """The structured model through pipelines of ``world_size`` stages, one per (balance, checkpoint) setting."""
+    from lightning_gpipe import GPipe
+
+    dist.init_process_group("gloo")
+    results = []
+    for balance, checkpoint in settings:
+        pipe = GPipe(structured_model(), balance, chunks=3, checkpoint=checkpoint)
+        x, y = data()
+        out = pipe(x.detach())
+        loss = F.cross_entropy(out["logits"], y)
+        loss.backward()
+        results.append(
+            {
+                "loss": loss.item(),
+                "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+                "positive": out["positive"],
+                "note": out["note"],
+            }
+        )
+        pipe.close()
+    dist.destroy_process_group()
+    return results
+
+
 def wire_messages() -> list[tuple]:
     """Messages of every framing: inline (small), header then tensors (over the inline limit), gaps, odd dtypes."""
     from lightning_gpipe.engine.messages import INLINE_LIMIT
@@ -115,12 +203,12 @@ def wire_round_trip(rank: int, world_size: int) -> list:
     board = FailureBoard.for_default_group(lambda r: f"stage {r}", namespace="wire")
     channels = Channels(PipeLayout(world_size, world_size), rank, torch.device("cpu"), board, timeout=60.0)
     got = []
-    for micro, (values, flags, is_tuple) in enumerate(wire_messages()):
+    for micro, (values, flags, structure) in enumerate(wire_messages()):
         if rank == 0:
-            channels.send(1, values, flags, is_tuple, Tag("forward", 4, micro, "training_step", batch=77))
+            channels.send(1, values, flags, structure, Tag("forward", 4, micro, "training_step", batch=77))
         else:
             message = channels.recv(0)
-            got.append((message.values, message.requires_grad, message.is_tuple, message.tag))
+            got.append((message.values, message.requires_grad, message.structure, message.tag))
     sent = channels.bytes_sent()
     channels.flush()
     channels.close()

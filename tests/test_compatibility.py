@@ -68,6 +68,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "embedding_first",
         "backbone_called_twice",
         "tuples_across_stages",
+        "structures_across_stages",
         "unseeded_initial_weights",
         "unseeded_data_split",
         "loop_limits",

@@ -1,5 +1,7 @@
 """The engine on its own: plain PyTorch, no Lightning, real processes over gloo."""
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,13 +96,33 @@ def test_randomness_is_keyed_per_call_and_micro_batch_and_leaves_the_callers_gen
 
 
 def test_stage_output_that_is_not_a_tensor_names_the_layer():
-    class ToDict(nn.Module):
+    class ToNamespace(nn.Module):
         def forward(self, x):
-            return {"x": x}
+            return types.SimpleNamespace(x=x)
 
-    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), ToDict()), chunks=2)
-    with pytest.raises(TypeError, match=r"Layer 1 \(ToDict\), the last of stage 0, got dict.*Tensor or a tuple"):
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), ToNamespace()), chunks=2)
+    with pytest.raises(TypeError, match=r"Layer 1 \(ToNamespace\), the last of stage 0, got a SimpleNamespace; a st"):
         pipe(torch.randn(4, 4))
+
+
+def test_dicts_namedtuples_nested_tuples_and_constants_cross_every_boundary_as_in_one_process():
+    # every boundary of this backbone carries a structure (a dict with None and a float, a namedtuple around a
+    # nested tuple with a bool tensor), and so does its output (a dict with an int tensor and a string)
+    from _engine_workers import structured_pipeline, structured_reference
+
+    ref_loss, ref_grads, ref_positive = structured_reference()
+    settings = [([2, 2, 3], "always"), ([1, 3, 3], "never"), ([3, 3, 1], "except_last"), ([4, 2, 1], "always")]
+    results = run_ok(structured_pipeline, 3, settings, timeout=120)
+    for index, setting in enumerate(settings):
+        grads = {}
+        for rank in range(3):
+            got = results[rank][index]
+            assert got["loss"] == pytest.approx(ref_loss, abs=1e-6), setting
+            assert torch.equal(got["positive"], ref_positive) and got["note"] == "per sample", setting
+            grads.update(got["grads"])
+        assert set(grads) == set(ref_grads)
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=0)
 
 
 def test_output_without_the_batch_in_dim_0_is_rejected():

@@ -22,16 +22,33 @@ from lightning_gpipe.engine.messages import (
 def test_header_round_trips_shapes_dtypes_grad_flags_missing_entries_and_the_tag():
     values = (torch.zeros(2, 3), None, torch.zeros(4, dtype=torch.int64), torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16))
     tag = Tag("gradient", call=(1 << 62) + 5, micro=3, label="on_validation_batch_end", batch=0x7FFF_0000_1234_5678)
-    header = encode(values, [True, False, False, True], is_tuple=True, tag=tag)
+    header = encode(values, [True, False, False, True], structure=True, tag=tag)
     assert header.shape == (HEADER_LEN,) and header.dtype == torch.int64
-    specs, got, is_tuple = decode(header)
+    specs, got, structure = decode(header)
     assert specs == [
         (torch.float32, True, (2, 3)),
         (None, False, ()),
         (torch.int64, False, (4,)),
         (torch.bfloat16, True, (1, 2, 3, 4)),
     ]
-    assert got == tag and is_tuple
+    assert got == tag and structure
+
+
+def test_a_structure_rides_in_the_header_after_the_specs_in_either_framing_and_a_large_one_is_a_clear_error():
+    from lightning_gpipe.engine.structure import flatten, unflatten
+
+    output = {"h": torch.randn(2, 3), "state": (torch.randn(2, 4), None), "scale": 0.5, "name": "block 3"}
+    values, structure = flatten(output)
+    tag = Tag("forward", 1, 0, "training_step")
+    _, got, decoded = decode(encode(values, [True, False], structure, tag))
+    assert got == tag and decoded == structure
+    (frame,) = frames(values, [True, False], structure, tag, INLINE_LIMIT)
+    specs, _, inline = decode(frame[:HEADER_BYTES].view(torch.int64))
+    rebuilt = unflatten(inline_values(frame, specs, torch.device("cpu")), inline)
+    assert rebuilt["scale"] == 0.5 and rebuilt["state"][1] is None and torch.equal(rebuilt["state"][0], values[1])
+    _, large = flatten({"x": torch.zeros(1), "notes": "x" * 1000})
+    with pytest.raises(ValueError, match="does not fit.*less structure"):
+        encode([torch.zeros(1)], [False], large, tag)
 
 
 def test_a_long_label_is_cut_to_48_characters():
@@ -42,12 +59,12 @@ def test_a_long_label_is_cut_to_48_characters():
 
 def test_header_overflow_is_a_clear_error():
     with pytest.raises(ValueError, match="does not fit"):
-        encode([torch.zeros(1, 1, 1, 1, 1)] * 20, [False] * 20, is_tuple=True, tag=Tag("forward", 0, 0))
+        encode([torch.zeros(1, 1, 1, 1, 1)] * 20, [False] * 20, structure=True, tag=Tag("forward", 0, 0))
 
 
 def test_unsupported_dtype_is_a_clear_error():
     with pytest.raises(TypeError, match="dtype torch.float8"):
-        encode([torch.zeros(2).to(torch.float8_e4m3fn)], [False], is_tuple=False, tag=Tag("forward", 0, 0))
+        encode([torch.zeros(2).to(torch.float8_e4m3fn)], [False], structure=False, tag=Tag("forward", 0, 0))
 
 
 def _message(tag: Tag) -> Message:
@@ -100,9 +117,9 @@ def test_an_inline_frame_carries_every_dtype_shape_and_gap_bit_for_bit():
         torch.arange(3, dtype=torch.int16),
     )
     (frame,) = frames(values, [True] + [False] * 6, True, Tag("gradient", 2, 1), INLINE_LIMIT)
-    specs, tag, is_tuple = decode(frame[:HEADER_BYTES].view(torch.int64))
+    specs, tag, structure = decode(frame[:HEADER_BYTES].view(torch.int64))
     got = inline_values(frame, specs, torch.device("cpu"))
-    assert tag == Tag("gradient", 2, 1) and is_tuple and [f for _, f, _ in specs] == [True] + [False] * 6
+    assert tag == Tag("gradient", 2, 1) and structure and [f for _, f, _ in specs] == [True] + [False] * 6
     for value, arrived in zip(values, got):
         if value is None:
             assert arrived is None
@@ -118,11 +135,11 @@ def test_messages_of_every_framing_cross_a_real_gloo_pair_unchanged():
     (sent,), got = run_ok(wire_round_trip, 2, timeout=120)
     expected = wire_messages()
     assert len(got) == len(expected)
-    for micro, ((values, flags, is_tuple), (arrived, arrived_flags, arrived_tuple, tag)) in enumerate(
+    for micro, ((values, flags, structure), (arrived, arrived_flags, arrived_structure, tag)) in enumerate(
         zip(expected, got)
     ):
         assert tag == Tag("forward", 4, micro, "training_step", batch=77)
-        assert list(arrived_flags) == flags and arrived_tuple == is_tuple
+        assert list(arrived_flags) == flags and arrived_structure == structure
         for value, received in zip(values, arrived):
             assert (
                 (received is None) if value is None else torch.equal(received, value) and received.dtype == value.dtype

@@ -57,24 +57,6 @@ def test_gather_concatenates_each_output_of_a_tuple():
     assert joined[0].shape == (6, 3) and joined[1].tolist() == [0, 0, 1, 1, 2, 2]
 
 
-def test_as_tuple_rejects_non_tensor_outputs():
-    assert microbatch.as_tuple(torch.zeros(1))[0].shape == (1,)
-    with pytest.raises(TypeError, match="got dict"):
-        microbatch.as_tuple({"a": torch.zeros(1)})
-    with pytest.raises(TypeError, match=r"tuple of \(Tensor, int\)"):
-        microbatch.as_tuple((torch.zeros(1), 3))
-
-
-def test_crosses_only_what_a_stage_can_send_a_tensor_or_a_flat_tuple_of_tensors_with_the_samples_in_dim_0():
-    x = torch.zeros(4, 3)
-    assert microbatch.crosses(x, 4) and microbatch.crosses((x, x[:, 0]), 4)
-    assert not microbatch.crosses((x, (x, x)), 4)  # nested: an LSTM's (output, (h, c))
-    assert not microbatch.crosses([x, x], 4) and not microbatch.crosses({"x": x}, 4)
-    assert not microbatch.crosses(x.t(), 4) and not microbatch.crosses(x.sum(), 4)  # samples not in dim 0
-    assert not microbatch.crosses(collections.namedtuple("Pair", "a b")(x, x), 4)  # would arrive without names
-    assert not microbatch.crosses((x, 1.0), 4)
-
-
 def test_fingerprint_tells_apart_another_sample_another_order_a_flip_and_another_dtype():
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 3, 4, 4, generator=generator), torch.randint(0, 5, (8,), generator=generator)

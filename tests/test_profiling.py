@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
+import types
 
 import pytest
 import torch
@@ -100,13 +101,15 @@ def test_a_layer_that_fails_is_named_by_index_and_type():
         profile_layers(model, torch.randn(2, 3))
 
 
-def test_a_layer_with_a_bad_output_is_named_too():
-    class Pair(nn.Module):
+def test_a_last_layer_whose_output_cannot_leave_the_pipeline_is_named_too():
+    class Namespace(nn.Module):
         def forward(self, x):
-            return [x, x]
+            return types.SimpleNamespace(x=x)
 
-    with pytest.raises(RuntimeError, match=r"layer 1 \(Pair\).*Tensor or a tuple of Tensors"):
-        profile_layers(nn.Sequential(nn.ReLU(), Pair()), torch.randn(2, 3))
+    with pytest.raises(
+        RuntimeError, match=r"layer 1 \(Namespace\).*got a SimpleNamespace; a stage must return Tensors"
+    ):
+        profile_layers(nn.Sequential(nn.ReLU(), Namespace()), torch.randn(2, 3))
 
 
 def test_tuple_outputs_flow_to_the_next_layer():
@@ -125,8 +128,9 @@ def test_tuple_outputs_flow_to_the_next_layer():
 
 
 def test_outputs_that_cannot_leave_a_stage_are_profiled_and_marked_so_an_automatic_split_keeps_the_next_layer():
-    # an LSTM's (output, (h, c)), a sequence-first tensor and a namedtuple run on one stage but cannot cross to
-    # another; the profile says which layers' outputs cannot, instead of failing the whole default split
+    # an LSTM's (output, (h, c)) (h and c sequence first), a sequence-first tensor and a namedtuple made in a
+    # function (no other process can unpickle it) run on one stage but cannot cross to another; the profile says
+    # which layers' outputs cannot, instead of failing the whole default split. Batch-first structures can.
     class First(nn.Module):
         def forward(self, pair):
             out, (h, _) = pair
@@ -146,11 +150,20 @@ def test_outputs_that_cannot_leave_a_stage_are_profiled_and_marked_so_an_automat
         def forward(self, pair):
             return pair.a + pair.b
 
+    class Nested(nn.Module):
+        def forward(self, x):
+            return {"x": x, "pair": (x, None)}
+
+    class Sum(nn.Module):
+        def forward(self, d):
+            return d["x"] + d["pair"][0]
+
     module = nn.Sequential(
-        nn.Linear(2, 4), nn.LSTM(4, 4, batch_first=True), First(), SequenceFirst(), SequenceFirst(), Named(), Add()
-    )
+        nn.Linear(2, 4), nn.LSTM(4, 4, batch_first=True), First(), SequenceFirst(), SequenceFirst(), Named(), Add(),
+        Nested(), Sum(),
+    )  # fmt: skip
     costs = profile_layers(module, torch.randn(3, 5, 2), repeats=1)
-    assert costs.crossable == (True, False, True, False, True, False, True)
+    assert costs.crossable == (True, False, True, False, True, False, True, True, True)
     assert costs.output_bytes[1] == 4 * (3 * 5 * 4 + 2 * 3 * 4)  # every tensor of the nested output counted
     assert costs.time[1] > 0
 

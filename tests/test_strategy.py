@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import _models as M
 import _sweeps
@@ -199,14 +200,14 @@ def test_backbone_that_is_not_a_sequential():
         _fit(model, GPipeStrategy())
 
 
-def test_stage_output_that_is_not_a_tensor():
-    class Pair(nn.Module):
+def test_stage_output_that_is_not_tensors_in_tuples_lists_or_dicts():
+    class Namespace(nn.Module):
         def forward(self, x):
-            return [x, x]
+            return types.SimpleNamespace(x=x)
 
     model = M.Net()
-    model.backbone.append(Pair())
-    with pytest.raises(TypeError, match=r"Layer 7 \(Pair\).*got list.*Tensor or a tuple of Tensors"):
+    model.backbone.append(Namespace())
+    with pytest.raises(TypeError, match=r"Layer 7 \(Namespace\).*got a SimpleNamespace; a stage must return Tensors"):
         _fit(model, GPipeStrategy())
 
 

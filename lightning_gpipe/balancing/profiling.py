@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.balancing.live_bytes import LiveBytes
-from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine import microbatch, structure
 from lightning_gpipe.engine.rng import isolated_rng
 from lightning_gpipe.engine.skip import SkipKey, SkipTracker, find_skips, use_tracker
 from lightning_gpipe.engine.stage_input import enter
@@ -50,8 +50,10 @@ class LayerCosts:
     gradients, which a step keeps in ``.grad`` anyway, left out), measured with
     :class:`~lightning_gpipe.balancing.live_bytes.LiveBytes`. ``batch`` is the micro-batch size profiled (0:
     unknown). ``crossable`` says whether each layer's output can leave a stage
-    (:func:`~lightning_gpipe.engine.microbatch.crosses`: an LSTM's ``(output, (h, c))`` cannot), so that an
-    automatic split keeps the next layer with it. The extra fields are empty in costs built by hand for a split.
+    (:func:`~lightning_gpipe.engine.structure.crosses`: an ``nn.LSTM``'s ``(output, (h, c))`` cannot, as its
+    ``h`` and ``c`` hold the samples in dim 1), so that an automatic split keeps the next layer with it; at a
+    micro-batch of one sample it cannot tell, as ``h`` then has a 1 in dim 0 as well. The extra fields are empty
+    in costs built by hand for a split.
 
     >>> costs = LayerCosts(params=[10, 0], time=[2.0, 1.0], state_bytes=[160, 0], activation_bytes=[40, 40])
     >>> costs.of("memory"), costs.of("params")
@@ -154,7 +156,7 @@ def profile_layers(
                     )
                     waiting.update({k: t.detach().requires_grad_(t.requires_grad) for k, t in leaving.items()})
                     if index == len(module) - 1:
-                        microbatch.as_tuple(x)  # the output, joined over micro-batches, must be a Tensor or a tuple
+                        structure.flatten(x)  # the backbone output: what cannot leave a stage cannot leave the pipe
                 except Exception as error:
                     raise RuntimeError(
                         f"Profiling layer {index} ({type(layer).__name__}) of the backbone failed with "
@@ -166,7 +168,7 @@ def profile_layers(
                     inputs_counted[index] = measured.input_counted
                     outputs_counted[index] = measured.output_counted
                     workings[index] = measured.backward_working
-                    crossable[index] = microbatch.crosses(x, microbatch.batch_size(sample))
+                    crossable[index] = structure.crosses(x, microbatch.batch_size(sample))
                 else:
                     times[index].append(measured.forward + measured.backward)
                     forwards[index].append(measured.forward)

@@ -38,6 +38,7 @@ from lightning_gpipe.engine.messages import (
     inline_values,
     is_inline,
 )
+from lightning_gpipe.engine.structure import Structure
 from lightning_gpipe.engine.topology import PipeLayout
 
 __all__ = ["Channels", "Inbox", "Link"]
@@ -65,12 +66,14 @@ class Link:
         self._spare: OrderedDict[int, list[Tensor]] = OrderedDict()
         self.bytes_sent = 0  # tensor payload so far, headers aside: what a traffic count compares
 
-    def send(self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag) -> None:
+    def send(
+        self, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], structure: Structure, tag: Tag
+    ) -> None:
         """Start sending ``values``; the tensors are kept alive until they are delivered."""
         self._reclaim(wait=False)
         size = inline_size(values, self.inline_limit)
         buffer = self._take(size) if size is not None else None
-        for frame in frames(values, requires_grad, is_tuple, tag, self.inline_limit, buffer):
+        for frame in frames(values, requires_grad, structure, tag, self.inline_limit, buffer):
             self._isend(frame, buffer if frame.dtype == torch.uint8 else None)
         self.bytes_sent += sum(v.numel() * v.element_size() for v in values if v is not None)
 
@@ -163,10 +166,10 @@ class Inbox:
                 if decoded is None:
                     self._queue.put((time.monotonic(), None))
                     return
-                specs, tag, is_tuple = decoded
+                specs, tag, structure = decoded
                 inline = frame is not None and is_inline(header)
                 values = inline_values(frame, specs, self.device) if frame is not None and inline else self._each(specs)
-                message = Message(tuple(values), tuple(f for _, f, _ in specs), is_tuple, tag)
+                message = Message(tuple(values), tuple(f for _, f, _ in specs), structure, tag)
                 self._queue.put((time.monotonic(), message))
         except BaseException as error:  # a dead peer closes the connection: hand the error to the main thread
             self._queue.put((time.monotonic(), error))
@@ -271,10 +274,15 @@ class Channels:
             self._groups.append(group)
 
     def send(
-        self, dst: int, values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag
+        self,
+        dst: int,
+        values: Sequence[Optional[Tensor]],
+        requires_grad: Sequence[bool],
+        structure: Structure,
+        tag: Tag,
     ) -> None:
         """Start sending ``values`` to rank ``dst``."""
-        self.links[dst].send(values, requires_grad, is_tuple, tag)
+        self.links[dst].send(values, requires_grad, structure, tag)
 
     def bytes_sent(self) -> dict[int, int]:
         """Tensor bytes sent so far to each peer rank (headers aside)."""

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_gpipe.engine.failure import PipelineError
+from lightning_gpipe.engine.structure import Skeleton, Structure
 
 __all__ = [
     "HEADER_BYTES",
@@ -52,7 +53,8 @@ _ALIGN = 16  # every packed tensor starts at a multiple of the largest element s
 _DATA, _CLOSE, _INLINE = 1, 2, 3
 _KINDS = ("forward", "output", "gradient", "input gradient", "skip", "skip gradient")
 _LABEL_FIELDS = 6  # the hook name, up to 48 ASCII characters in 6 int64 fields
-_FIXED = 6 + _LABEL_FIELDS  # type, tuple flag, kind, call, micro-batch, batch fingerprint, label
+_FIXED = 6 + _LABEL_FIELDS  # type, structure, kind, call, micro-batch, batch fingerprint, label
+_SKELETON = 2  # the structure field of a message whose tensors rebuild a Skeleton: its bytes follow the specs
 _DTYPES = [
     torch.float32,
     torch.float64,
@@ -101,11 +103,15 @@ class Tag:
 
 @dataclass
 class Message:
-    """What one stage sent another: tensors (``None`` where there is nothing), how to rebuild them, and its tag."""
+    """What one stage sent another: tensors (``None`` where there is nothing), how to rebuild them, and its tag.
+
+    ``structure`` rebuilds the stage output the tensors came from
+    (:func:`~lightning_gpipe.engine.structure.unflatten`).
+    """
 
     values: tuple[Optional[Tensor], ...]
     requires_grad: tuple[bool, ...]
-    is_tuple: bool
+    structure: Structure
     tag: Tag
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -126,15 +132,20 @@ def _decode_label(fields: list[int]) -> str:
 
 
 def encode(
-    values: Sequence[Optional[Tensor]], requires_grad: Sequence[bool], is_tuple: bool, tag: Tag, inline: bool = False
+    values: Sequence[Optional[Tensor]],
+    requires_grad: Sequence[bool],
+    structure: Structure,
+    tag: Tag,
+    inline: bool = False,
 ) -> Tensor:
-    """The fixed-size int64 header that announces a message: its tag, then dtype, grad flag and shape of each tensor.
+    """The fixed-size int64 header that announces a message: its tag, then dtype, grad flag and shape of each tensor,
+    then a :class:`~lightning_gpipe.engine.structure.Skeleton`'s bytes where ``structure`` is one.
 
     ``inline``: the tensors' bytes follow the header in the same frame (see :func:`frames`).
     """
     fields = [
         _INLINE if inline else _DATA,
-        int(is_tuple),
+        _SKELETON if isinstance(structure, Skeleton) else int(structure),
         _KINDS.index(tag.kind),
         tag.call,
         tag.micro,
@@ -149,10 +160,16 @@ def encode(
         if value.dtype not in _CODES:
             raise TypeError(f"Cannot send a tensor of dtype {value.dtype} between stages.")
         fields += [_CODES[value.dtype], int(flag), value.dim(), *value.shape]
+    if isinstance(structure, Skeleton):
+        raw = structure.raw + b"\0" * (-len(structure.raw) % 8)
+        fields += [
+            len(structure.raw),
+            *(int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)),
+        ]
     if len(fields) > HEADER_LEN:
         raise ValueError(
             f"A stage output with {len(values)} tensors of these shapes does not fit the {HEADER_LEN}-field message "
-            "header; return fewer tensors (or fewer dimensions) at a stage boundary."
+            "header; return fewer tensors (or fewer dimensions, or less structure around them) at a stage boundary."
         )
     return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
 
@@ -160,8 +177,8 @@ def encode(
 Specs = list[tuple[Optional[torch.dtype], bool, tuple[int, ...]]]
 
 
-def decode(header: Tensor) -> Optional[tuple[Specs, Tag, bool]]:
-    """The tensor specs, the tag and the tuple flag a header announces, or ``None`` for the close message."""
+def decode(header: Tensor) -> Optional[tuple[Specs, Tag, Structure]]:
+    """The tensor specs, the tag and the structure a header announces, or ``None`` for the close message."""
     fields = header.tolist()
     if fields[0] == _CLOSE:
         return None
@@ -174,7 +191,11 @@ def decode(header: Tensor) -> Optional[tuple[Specs, Tag, bool]]:
         shape = tuple(fields[pos + 3 : pos + 3 + ndim])
         specs.append((None if code < 0 else _DTYPES[code], bool(flag), shape))
         pos += 3 + ndim
-    return specs, tag, bool(fields[1])
+    if fields[1] != _SKELETON:
+        return specs, tag, bool(fields[1])
+    size = fields[pos]
+    raw = b"".join(f.to_bytes(8, "little", signed=True) for f in fields[pos + 1 : pos + 1 + -(-size // 8)])
+    return specs, tag, Skeleton(raw[:size])
 
 
 def close_header() -> Tensor:
@@ -206,7 +227,7 @@ def inline_size(values: Sequence[Optional[Tensor]], inline_limit: int) -> Option
 def frames(
     values: Sequence[Optional[Tensor]],
     requires_grad: Sequence[bool],
-    is_tuple: bool,
+    structure: Structure,
     tag: Tag,
     inline_limit: int = 0,
     buffer: Optional[Tensor] = None,
@@ -222,9 +243,9 @@ def frames(
     present = [v.detach().contiguous() for v in values if v is not None]
     size = inline_size(present, inline_limit)
     if size is None:
-        return [encode(values, requires_grad, is_tuple, tag), *present]
+        return [encode(values, requires_grad, structure, tag), *present]
     frame = buffer[:size] if buffer is not None and buffer.numel() >= size else torch.empty(size, dtype=torch.uint8)
-    frame[:HEADER_BYTES].view(torch.int64).copy_(encode(values, requires_grad, is_tuple, tag, inline=True))
+    frame[:HEADER_BYTES].view(torch.int64).copy_(encode(values, requires_grad, structure, tag, inline=True))
     offset = HEADER_BYTES
     for value in present:
         nbytes = value.numel() * value.element_size()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -21,16 +21,13 @@ __all__ = [
     "split",
     "scatter",
     "gather",
-    "as_tuple",
-    "crosses",
-    "from_tuple",
     "fingerprint",
     "fingerprints",
     "as_bits",
 ]
 
-#: What a stage may return: one tensor, or a tuple of tensors.
-Outputs = Union[Tensor, tuple[Tensor, ...]]
+#: What a stage may return: one tensor, or tuples, lists and dicts of tensors, nested, with constants beside them.
+Outputs = Any
 
 
 def tensors(batch: Any) -> list[Tensor]:
@@ -44,7 +41,7 @@ def tensors(batch: Any) -> list[Tensor]:
     return []
 
 
-def map_tensors(fn: Callable[[Tensor], Tensor], batch: Any) -> Any:
+def map_tensors(fn: Callable[[Tensor], Any], batch: Any) -> Any:
     """``batch`` with ``fn`` applied to every tensor leaf; the structure is kept."""
     if isinstance(batch, Tensor):
         return fn(batch)
@@ -144,42 +141,6 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
     [3, 3, 2, 2]
     """
     return split(batch, split_sizes(batch_size(batch), chunks))
-
-
-def as_tuple(outputs: Any) -> tuple[Tensor, ...]:
-    """A stage output as a tuple of tensors; raises ``TypeError`` for anything else."""
-    if isinstance(outputs, Tensor):
-        return (outputs,)
-    if isinstance(outputs, tuple) and all(isinstance(t, Tensor) for t in outputs):
-        return outputs
-    kinds = (
-        type(outputs).__name__
-        if not isinstance(outputs, tuple)
-        else "tuple of (" + ", ".join(type(t).__name__ for t in outputs) + ")"
-    )
-    raise TypeError(f"got {kinds}; a stage must return a Tensor or a tuple of Tensors")
-
-
-def crosses(outputs: Any, size: int) -> bool:
-    """Whether a layer's output for a micro-batch of ``size`` samples can leave a stage: a Tensor or a tuple of
-    Tensors, each with the samples in dim 0 (what :func:`as_tuple` and the stage's batch check accept).
-
-    An automatic split keeps a layer whose output cannot on one stage with the next layer. A namedtuple counts as
-    one that cannot: it would reach the next stage as a plain tuple, without its field names.
-
-    >>> crosses((torch.zeros(4, 2), torch.zeros(4)), 4), crosses((torch.zeros(4, 2), (torch.zeros(4),)), 4)
-    (True, False)
-    >>> crosses(torch.zeros(3, 4, 2), 4)  # sequence first: the samples are in dim 1
-    False
-    """
-    if isinstance(outputs, tuple) and not hasattr(outputs, "_fields"):
-        return all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == size for t in outputs)
-    return isinstance(outputs, Tensor) and outputs.dim() > 0 and outputs.shape[0] == size
-
-
-def from_tuple(values: tuple[Tensor, ...], is_tuple: bool) -> Outputs:
-    """Undo :func:`as_tuple`."""
-    return values if is_tuple else values[0]
 
 
 def gather(outputs: Sequence[tuple[Tensor, ...]]) -> tuple[Tensor, ...]:

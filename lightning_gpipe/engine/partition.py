@@ -133,7 +133,7 @@ def shared_spans(module: nn.Sequential) -> list[tuple[int, int]]:
 def kept_together(module: nn.Sequential, crossable: Sequence[bool] = ()) -> list[tuple[int, int]]:
     """The layer ranges an automatic split keeps on one stage, merged: :func:`shared_spans`, and each layer whose
     output cannot leave a stage (``crossable[i]`` false, from the profile: see
-    :func:`~lightning_gpipe.engine.microbatch.crosses`) with the layer after it.
+    :func:`~lightning_gpipe.engine.structure.crosses`) with the layer after it.
 
     >>> kept_together(nn.Sequential(*[nn.Tanh() for _ in range(5)]), [True, False, False, True, True])
     [(1, 3)]
@@ -173,9 +173,9 @@ def balance_keeping_together(costs: Sequence[float], stages: int, spans: Sequenc
             f"{len(sizes)} part(s). Layers stay together where one module object with parameters or buffers is in "
             "several places: use a separate module for each place and share only the parameters (e.g. "
             "`second.weight = first.weight`), which the pipeline keeps tied across stages. A layer also stays with "
-            "the next where its output cannot leave a stage (anything but a Tensor or a tuple of Tensors with the "
-            "samples in dim 0, such as an LSTM's `(output, (h, c))`): make such layers return one, or use fewer "
-            "devices."
+            "the next where its output cannot leave a stage: a tensor without the samples in dim 0 (an LSTM's h and "
+            "c), or an object other than tensors in tuples, lists and dicts with constants beside them. Make such "
+            "layers return per-sample tensors (batch first), or use fewer devices."
         )
     bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
     grouped = balance([sum(costs[bounds[g] : bounds[g + 1]]) for g in range(len(sizes))], stages)

@@ -33,6 +33,7 @@ from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
 from lightning_gpipe.engine.skip.traffic import Bundles
 from lightning_gpipe.engine.split_backward import WeightPass, inputs_first
 from lightning_gpipe.engine.stage_input import FirstStageInputs, KeptInputs, enter
+from lightning_gpipe.engine.structure import Structure, flatten, unflatten
 from lightning_gpipe.engine.tracer import Tracer, span
 
 __all__ = ["StageRunner"]
@@ -137,7 +138,7 @@ class StageRunner:
             self.eval_calls += 1
             self._evaluating += 1
             try:
-                return microbatch.from_tuple(*self._fill(batch, _Run(call, (False, torch.float32), label), train=False))
+                return unflatten(*self._fill(batch, _Run(call, (False, torch.float32), label), train=False))
             finally:
                 self._evaluating -= 1
         call = self.calls
@@ -150,7 +151,7 @@ class StageRunner:
         except BaseException:
             self._undrained.pop(call, None)
             raise
-        return microbatch.from_tuple(values, box["is_tuple"])
+        return unflatten(values, box["structure"])
 
     def _fingerprint(self, batch: Any) -> int:
         if len(self.ranks) == 1:
@@ -159,8 +160,10 @@ class StageRunner:
 
     # -- forward (fill) ------------------------------------------------------------------------------
 
-    def _run_layers(self, x: Any, call: int, micro: int, received: Bundles) -> tuple[tuple[Tensor, ...], bool, Bundles]:
-        """The stage's layers on one micro-batch: its output, whether that is a tuple, and the skips it sends."""
+    def _run_layers(
+        self, x: Any, call: int, micro: int, received: Bundles
+    ) -> tuple[tuple[Tensor, ...], Structure, Bundles]:
+        """The stage's layers on one micro-batch: its output's tensors and structure, and the skips it sends."""
         x = enter(x)  # an in-place first layer works on it, as on one device (see stage_input)
         received = {src: enter(bundle) for src, bundle in received.items()}
         tracker = SkipTracker(self.skips.keyed(received), record=True)
@@ -170,13 +173,13 @@ class StageRunner:
                 x = layer(x)
         leaving = self.skips.outgoing(tracker, self._describe_layer)
         try:
-            return microbatch.as_tuple(x), not isinstance(x, Tensor), leaving
+            return (*flatten(x), leaving)
         except TypeError as error:
             index, layer = self.layers[-1]
             where = "the pipeline's output" if self.is_last else f"the boundary to stage {self.stage + 1}"
             raise TypeError(
                 f"Layer {index} ({type(layer).__name__}), the last of stage {self.stage}, {error} at {where}. "
-                "Make it return a Tensor or a tuple of Tensors, or move the stage boundary with `balance`."
+                "Make it return one, or move the stage boundary with `balance`."
             ) from None
 
     def _describe_layer(self, index: int) -> str:
@@ -193,12 +196,12 @@ class StageRunner:
     def _recv_stage(self, expected: Tag, stage: int) -> Message:
         return self._recv(self.ranks[stage], expected)
 
-    def _send(self, dst: int, values: Any, requires_grad: list[bool], is_tuple: bool, tag: Tag) -> None:
+    def _send(self, dst: int, values: Any, requires_grad: list[bool], structure: Structure, tag: Tag) -> None:
         assert self.channels is not None
-        self.channels.send(dst, values, requires_grad, is_tuple, tag)
+        self.channels.send(dst, values, requires_grad, structure, tag)
 
-    def _fill(self, batch: Any, run: _Run, train: bool) -> tuple[tuple[Tensor, ...], bool]:
-        """Every micro-batch through this stage, in order; returns the pipeline's output and its tuple-ness."""
+    def _fill(self, batch: Any, run: _Run, train: bool) -> tuple[tuple[Tensor, ...], Structure]:
+        """Every micro-batch through this stage, in order; returns the pipeline's output tensors and structure."""
         call = run.call
         # Every rank holds the same batch, so every rank cuts it alike: min(chunks, batch size) micro-batches.
         sizes = microbatch.split_sizes(microbatch.batch_size(batch), self.chunks)
@@ -207,7 +210,7 @@ class StageRunner:
         micro_inputs = microbatch.split(batch, sizes) if self.is_first else []
         needs_grad = train and any(p.requires_grad for p in self._modules.parameters())
         outputs: list[tuple[Tensor, ...]] = []
-        is_tuple = False
+        structures: list[Structure] = []
         with micro_batches(count):  # a DeferredBatchNorm commits after the last micro-batch of this call
             for task in fill_drain(count, self.checkpoint)[0]:
                 i = task.micro
@@ -221,7 +224,7 @@ class StageRunner:
                         v.requires_grad_() if train and f else v
                         for v, f in zip(message.tensors(), message.requires_grad)
                     )
-                    x = microbatch.from_tuple(values, message.is_tuple)
+                    x = unflatten(values, message.structure)
                 skip_tag = Tag("skip", call, i, run.label, fingerprint)
                 received, skip_in_grad = self.skips.receive(partial(self._recv_stage, skip_tag), train)
                 recompute = train and checkpointed(self.checkpoint, i, count)
@@ -232,7 +235,7 @@ class StageRunner:
                     self._kept.for_forward(x, received) if recompute else (x, received, [])
                 )
                 with torch.set_grad_enabled(train and not recompute), self._span("forward", i), writes as buffers:
-                    y, is_tuple, leaving = self._run_layers(layers_x, call, i, layers_received)
+                    y, structure, leaving = self._run_layers(layers_x, call, i, layers_received)
                 if recompute:
                     self._kept.after_forward(watched, i)
                 elif train and self.is_first:
@@ -255,13 +258,14 @@ class StageRunner:
                     run.skip_out_grad.append({dst: any(flags) for dst, flags in skip_flags.items()})
                 if self.is_last:
                     outputs.append(tuple(t.detach() for t in y))
+                    structures.append(structure)
                 else:
                     tag = Tag("forward", call, i, run.label, fingerprint)
-                    self._send(self.ranks[self.stage + 1], y, out_flags, is_tuple, tag)
+                    self._send(self.ranks[self.stage + 1], y, out_flags, structure, tag)
                 for dst, values in leaving.items():  # after the activations: the order every receiver expects
                     self._send(self.ranks[dst], values, skip_flags[dst], True, skip_tag)
         run.sizes = sizes
-        return self._share(outputs, is_tuple, Tag("output", call, -1, run.label))
+        return self._share(outputs, structures, Tag("output", call, -1, run.label))
 
     def _check_batch_dim(self, y: tuple[Tensor, ...], size: int, skip_to: Optional[int] = None) -> None:
         """Every tensor that leaves the stage has the micro-batch in dim 0 (shapes only: cheap).
@@ -295,19 +299,34 @@ class StageRunner:
                 "this tensor stays inside a stage."
             )
 
-    def _share(self, outputs: list[tuple[Tensor, ...]], is_tuple: bool, tag: Tag) -> tuple[tuple[Tensor, ...], bool]:
+    def _share(
+        self, outputs: list[tuple[Tensor, ...]], structures: list[Structure], tag: Tag
+    ) -> tuple[tuple[Tensor, ...], Structure]:
         """The last stage joins the micro-batch outputs and sends them to every other stage."""
         if self.is_last:
-            values = microbatch.gather(outputs)
+            values, structure = microbatch.gather(outputs), self._one_structure(structures)
             for rank in self.ranks[:-1]:
-                self._send(rank, values, [False] * len(values), is_tuple, tag)
+                self._send(rank, values, [False] * len(values), structure, tag)
         else:
             message = self._recv(self.ranks[-1], tag)
-            values, is_tuple = message.tensors(), message.is_tuple
+            values, structure = message.tensors(), message.structure
         if self.channels is not None:
             with self._span("wait"):
                 self.channels.flush()
-        return values, is_tuple
+        return values, structure
+
+    def _one_structure(self, structures: list[Structure]) -> Structure:
+        """The backbone output's structure: the micro-batches' outputs join tensor by tensor, so anything else in
+        them (a ``None``, a number, a string) must be the same in every micro-batch."""
+        if any(s != structures[0] for s in structures[1:]):
+            index, layer = self.layers[-1]
+            raise ValueError(
+                f"Layer {index} ({type(layer).__name__}), the backbone's last, returned outputs of different forms for "
+                "the micro-batches of one batch (the values beside its tensors differ, or their places). The pipeline "
+                "joins the micro-batches' outputs tensor by tensor into the backbone's output, so only tensors may "
+                "differ between micro-batches: return per-sample values as tensors with the batch in dim 0."
+            )
+        return structures[0]
 
     # -- backward (drain) ----------------------------------------------------------------------------
 
@@ -444,7 +463,7 @@ class _Bridge(torch.autograd.Function):
         run.input_needs_grad = any(t.requires_grad for t in leaves)
         runner._undrained[call] = run  # open until the drain ends, or autograd frees the graph without one
         with runner._span("fill"):
-            values, box["is_tuple"] = runner._fill(batch, run, train=True)
+            values, box["structure"] = runner._fill(batch, run, train=True)
         ctx.runner, ctx.run, ctx.num_leaves = runner, run, len(leaves)
         ctx.anchor = torch.autograd.graph.get_gradient_edge(anchor).node  # which backward reaches it: see backward
         ctx.set_materialize_grads(False)

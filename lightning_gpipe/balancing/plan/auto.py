@@ -77,7 +77,7 @@ def choose(
     grid = chunk_grid(batch_size) if chunks == AUTO else [min(int(chunks), batch_size)]
     model = profile_for_plan(module, sample, micro_batch_sizes(batch_size, grid), device, context=context)
     modes = checkpoint_modes if checkpoint == AUTO else (lambda m: [checkpoint])
-    together = kept_together(module, model.profiles[0].crossable)
+    together = kept_together(module, model.crossable)
     splits = [_splitter(balance, together, module)]
     search = balance == AUTO and not together  # the search moves single cuts, into a span kept together too
     result = plan(model, stages, batch_size, link, max_memory, grid, modes, splits, search=search)

@@ -101,6 +101,9 @@ class CostModel:
                 raise ValueError(f"`update` needs one {what} per layer ({len(self.params)}), got {len(values)}.")
         #: Whether the profiles measured each layer's backward working bytes (see :class:`LayerCosts`).
         self.measured_working = all(len(c.backward_working) == len(self.params) for c in self.profiles)
+        #: Whether each layer's output left a stage in every profile: at a micro-batch of 1 a sequence-first tensor
+        #: such as an LSTM's ``h`` has the samples' count in dim 0 too (see :class:`LayerCosts`).
+        self.crossable = [all(flags) for flags in zip(*(c.crossable for c in self.profiles))]
 
     def __len__(self) -> int:
         return len(self.params)
