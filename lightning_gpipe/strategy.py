@@ -8,6 +8,7 @@ the model, the step, collectives, data, checkpoints, failure and teardown.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -715,6 +716,8 @@ class GPipeStrategy(ParallelStrategy):
         self._sync_replicated()
         self._sync_metrics_over_replicas()
         self._cut_averaged_copies(trainer)
+        # before configure_optimizers, which could draw weights too (and after which nothing else changes them)
+        self._note_split_weights(trainer.state.fn == TrainerFn.FITTING)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -726,7 +729,6 @@ class GPipeStrategy(ParallelStrategy):
         count_throughput_per_pipeline(trainer, self.layout.num_replicas, self.layout.pipe_size)
         write_once_per_pipeline(trainer, first_stage=self.layout.stage_of(self.global_rank) == 0)
         walk_stages_in_finetuning()
-        self._note_split_weights(trainer.state.fn == TrainerFn.FITTING)
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             callbacks[:] = [c for c in callbacks if not isinstance(c, StopTogether)] + [StopTogether(self._any_stops)]
@@ -809,7 +811,8 @@ class GPipeStrategy(ParallelStrategy):
         self._take_first_stages_outer_layers(digests[:, 2], f"Before training batch {self._batch_idx}")
 
     def _note_split_weights(self, fitting: bool) -> None:
-        """Fingerprint this stage's weights where the split was made (the end of setup) or a restore filled it, for
+        """Fingerprint this stage's weights where the split was made (in setup, before ``configure_optimizers``) or a
+        restore filled it, for
         a fit over several stages (:mod:`lightning_gpipe.engine.split_weights`); else watch nothing."""
         pipe = self.pipe if fitting else None
         self._split_weights.note(pipe.parameters() if pipe is not None and pipe.group is not None else None)
@@ -950,8 +953,13 @@ class GPipeStrategy(ParallelStrategy):
         (``SGD(filter(lambda p: p.requires_grad, self.parameters()))`` on a frozen stage) gets one empty
         param group (see :func:`~lightning_gpipe.engine.optimizers.accept_empty_parameter_lists`): its step
         is a no-op on this stage, and it joins the loop, the schedulers and the checkpoints like the others.
+        A layer another stage holds reads as its ``meta`` copy here (``GPipe.all_layers``), so that param groups
+        selected by position (``self.backbone[-1].parameters()``, one per layer) come out alike on every stage;
+        the ``meta`` parameters are then dropped from them, leaving this stage's.
         """
-        with accept_empty_parameter_lists() as emptied:
+        # a layer another stage holds reads as its meta copy: `self.backbone[-1].parameters()`, then dropped
+        every_layer = self.pipe.all_layers() if self.pipe is not None else contextlib.nullcontext()
+        with accept_empty_parameter_lists() as emptied, every_layer:
             super().setup_optimizers(trainer)
         self._emptied = emptied
         refusals.whole_gradient_optimizers([_unwrap(o) for o in self.optimizers], self.layout.pipe_size)

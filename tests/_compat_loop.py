@@ -329,6 +329,25 @@ def lstm_in_backbone() -> Scenario:
     return Scenario(Base(nn.Sequential(_Sequence(), lstm, _LastStep(), nn.Tanh(), nn.Linear(24, CLASSES))))
 
 
+class GroupsByPosition(Base):
+    """Selects layers by position in ``configure_optimizers``, as on one device: the first layer frozen by index, a
+    slice at one rate, and a rate per later layer found by iterating over the backbone."""
+
+    def configure_optimizers(self) -> Any:
+        self.backbone[0].requires_grad_(False)
+        groups = [{"params": self.backbone[1:3].parameters(), "lr": 0.05}]
+        for i, layer in enumerate(self.backbone):
+            if i >= 3 and any(True for _ in layer.parameters()):
+                groups.append({"params": layer.parameters(), "lr": 0.3 * 0.5 ** (len(self.backbone) - 1 - i)})
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+
+def groups_by_position() -> Scenario:
+    # each stage reads the other stages' layers as their meta copies while the optimizers are built, and drops their
+    # parameters: the same groups on every stage (before: refused, "The backbone is partitioned over 2 stages")
+    return Scenario(GroupsByPosition())
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -361,5 +380,6 @@ SCENARIOS = {
         built_under_init_module,
         module_in_two_places,
         lstm_in_backbone,
+        groups_by_position,
     )
 }

@@ -9,7 +9,7 @@ import copy
 import os
 import random
 import tempfile
-from typing import Callable
+from typing import Any, Callable
 
 import _models as M
 import _sweeps
@@ -226,10 +226,12 @@ class DrawnAfterTheSplit(M.Net):
         if equal:  # a stem outside the backbone, then two stages of one Linear(8, 8) and a Tanh each
             self.stem = nn.Linear(M.FEATURES, 8)
             self.backbone = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.hook = hook
         setattr(self, hook, self._draw)
 
-    def _draw(self) -> None:
+    def _draw(self) -> Any:
         self.apply(lambda m: nn.init.xavier_uniform_(m.weight) if isinstance(m, nn.Linear) else None)
+        return super().configure_optimizers() if self.hook == "configure_optimizers" else None
 
 
 def drawn_after_the_split(rank: int, world_size: int, hook: str, equal: bool) -> None:

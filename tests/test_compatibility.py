@@ -115,6 +115,7 @@ def test_feature_trains_as_on_one_device(name, runs):
         "built_under_init_module",
         "module_in_two_places",
         "lstm_in_backbone",
+        "groups_by_position",
     ],
 )
 def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):

@@ -59,14 +59,14 @@ def test_lazy_layers_are_refused_naming_the_layer_and_a_sample_forward_before_fi
 
 @pytest.mark.parametrize("select", ["index", "slice"])
 def test_selecting_a_layer_another_stage_holds_stops_every_rank_naming_the_layer_its_stage_and_the_fix(select):
-    outcome = run_processes(W.indexed_groups, 2, select, timeout=120)
+    outcome = run_processes(W.indexed_in_hook, 2, select, timeout=120)
     assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
     report = outcome.errors[1]
     assert report.startswith(
         "IndexError: The backbone is partitioned over 2 stages: layer 0 (Linear) on stage 0 (rank 0)"
     )
     assert "this process runs stage 1, which holds layers [3, 4, 5, 6]" in report
-    assert "n.startswith('backbone.0.')" in report and "local_layers()" in report
+    assert "n.startswith('backbone.0.')" in report and "local_layers()" in report and "configure_optimizers" in report
     if select == "slice":
         assert "layer 1 (Tanh) on stage 0 (rank 0)" in report
     assert outcome.errors[0].startswith("PipelineError: stage 1 (rank 1) failed: IndexError")

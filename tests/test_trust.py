@@ -197,8 +197,12 @@ def test_a_gradient_of_a_gradient_through_the_pipeline_is_refused_naming_the_pen
 
 @pytest.mark.parametrize(
     "hook, equal",
-    [("on_fit_start", False), ("on_train_start", True)],
-    ids=["uneven stages, which draw unequal amounts", "stages of equal shapes, which draw the same values"],
+    [("on_fit_start", False), ("on_train_start", True), ("configure_optimizers", False)],
+    ids=[
+        "uneven stages, which draw unequal amounts",
+        "stages of equal shapes, which draw the same values",
+        "drawn in configure_optimizers, which runs after the split too",
+    ],
 )
 def test_weights_drawn_at_random_after_the_split_end_every_rank_at_the_first_step_naming_where_to_draw(hook, equal):
     # each stage drew its own layers from the stream's start: 1.05 off one device after 8 steps, without a word

@@ -44,6 +44,10 @@ def accept_empty_parameter_lists() -> Iterator[list[Optimizer]]:
     whose ``params`` are empty is accepted, and stepping, clipping, schedulers and ``state_dict`` all handle
     such groups. So the substitute is the group torch would have made from a flat list of this stage's
     parameters, holding none of them. Patches ``torch.optim.Optimizer.__init__``, which every optimizer calls.
+
+    ``meta`` parameters (another stage's layers, reached by position through ``GPipe.all_layers``) are dropped
+    first, from a flat list and from each group, which stays (empty where it held only those): every stage keeps
+    the same groups, as the checkpoints' and the lock-step checks' mapping of groups to stages expects.
     """
     original = Optimizer.__init__
     emptied: list[Optimizer] = []
@@ -51,7 +55,8 @@ def accept_empty_parameter_lists() -> Iterator[list[Optimizer]]:
     def __init__(self: Optimizer, params: Any, defaults: dict[str, Any]) -> None:
         if isinstance(params, torch.Tensor):  # torch's own TypeError
             return original(self, params, defaults)
-        params = list(params)
+        params = [_local(p) for p in params]
+        params = [p for p in params if p is not None]
         if params:
             return original(self, params, defaults)
         original(self, [{"params": []}], defaults)
@@ -62,6 +67,22 @@ def accept_empty_parameter_lists() -> Iterator[list[Optimizer]]:
         yield emptied
     finally:
         setattr(Optimizer, _INIT, original)
+
+
+def _local(entry: Any) -> Any:
+    """A parameter (or a ``(name, parameter)`` pair) or a param group without the ``meta`` parameters: another
+    stage's, which the code that builds the optimizers may reach through ``GPipe.all_layers``. ``None`` for a
+    ``meta`` parameter."""
+    if isinstance(entry, dict) and "params" in entry:
+        params = entry["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        return {**entry, "params": [p for p in params if not _is_meta(p)]}
+    return None if _is_meta(entry) else entry
+
+
+def _is_meta(entry: Any) -> bool:
+    value = entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
+    return isinstance(value, torch.Tensor) and value.is_meta
 
 
 def needs_whole_gradient(optimizer: Optimizer) -> bool:

@@ -156,6 +156,7 @@ class GPipe(nn.Module):
     ) -> None:
         super().__init__()
         self._partial_state = 0  # > 0 inside `stage_state()`: state_dict() may return this stage's part
+        self._all_layers = 0  # > 0 inside `all_layers()`: other stages' layers read as their `meta` copies
         #: what ``state_dict()`` outside :meth:`stage_state` tells the caller to do instead (an owner such as the
         #: Lightning strategy replaces it with its own ways to the whole model's state)
         self.whole_state_hint = (
@@ -509,9 +510,24 @@ class GPipe(nn.Module):
     def __len__(self) -> int:
         return self.num_layers
 
+    @contextmanager
+    def all_layers(self) -> Iterator[None]:
+        """Within, indexing, slicing and iterating reach every layer, another stage's as its ``meta`` copy
+        (parameters without values), instead of raising: for the code that builds the optimizers, which selects
+        layers by position on one device (``self.backbone[-1].parameters()``, a param group per layer). Every
+        stage then builds the same param groups; the strategy drops the ``meta`` parameters from them
+        (:func:`~lightning_gpipe.engine.optimizers.accept_empty_parameter_lists`)."""
+        self._all_layers += 1
+        try:
+            yield
+        finally:
+            self._all_layers -= 1
+
     def __iter__(self) -> Iterator[nn.Module]:
         if self.layout.pipe_size == 1:
             return iter([layer for _, layer in self.local_layers()])
+        if self._all_layers:
+            return iter([self[i] for i in range(self.num_layers)])
         self._refuse_iteration()
 
     def _refuse_iteration(self) -> NoReturn:
@@ -527,23 +543,25 @@ class GPipe(nn.Module):
 
         Indexing a layer another stage holds raises an ``IndexError`` that names the layer, its stage
         and what to use instead. The same code runs on every rank, so the run then fails on every rank
-        (the other ranks learn it from the failure board within a second).
+        (the other ranks learn it from the failure board within a second). Inside :meth:`all_layers` it
+        gives the layer's ``meta`` copy instead.
         """
         if isinstance(index, slice):
             indices = list(range(self.num_layers)[index])
-            self._refuse_missing([i for i in indices if str(i) not in self._modules])
+            if not self._all_layers:
+                self._refuse_missing([i for i in indices if str(i) not in self._modules])
             return nn.Sequential(OrderedDict((str(i), self._layer(i)) for i in indices))
         i = operator.index(index)
         if not -self.num_layers <= i < self.num_layers:
             raise IndexError(f"index {index} is out of range for a backbone of {self.num_layers} layers")
         i %= self.num_layers
-        self._refuse_missing([i] if str(i) not in self._modules else [])
+        if not self._all_layers:
+            self._refuse_missing([i] if str(i) not in self._modules else [])
         return self._layer(i)
 
     def _layer(self, i: int) -> nn.Module:
-        layer = self._modules[str(i)]
-        assert layer is not None
-        return layer
+        layer = self._modules.get(str(i))
+        return layer if layer is not None else self.full_sequential()[i]  # another stage's, inside `all_layers()`
 
     def _refuse_missing(self, missing: list[int]) -> None:
         if not missing:
@@ -560,9 +578,10 @@ class GPipe(nn.Module):
             f"The backbone is partitioned over {self.layout.pipe_size} stages: {where}, but this process runs stage "
             f"{self.stage}, which holds layers {[i for i, _ in self.local_layers()]}. The same code runs on every "
             f"rank, so the run stops on every rank. Select layers by parameter name instead, e.g. "
-            f"`[p for n, p in self.named_parameters() if n.startswith('{name}{missing[0]}.')]` for a param group "
-            "(empty on the stages without the layer, which torch optimizers accept), or use "
-            "`local_layers()` for this stage's (index, layer) pairs."
+            f"`[p for n, p in self.named_parameters() if n.startswith('{name}{missing[0]}.')]` (empty on the stages "
+            "without the layer), or use `local_layers()` for this stage's (index, layer) pairs. (In "
+            "`configure_optimizers`, selecting layers by position works: another stage's layer reads there as one "
+            "without parameters.)"
         )
 
     def extra_repr(self) -> str:
