@@ -15,6 +15,7 @@ __all__ = [
     "check_chunks",
     "Outputs",
     "tensors",
+    "map_leaves",
     "map_tensors",
     "batch_size",
     "split_sizes",
@@ -43,14 +44,20 @@ def tensors(batch: Any) -> list[Tensor]:
 
 def map_tensors(fn: Callable[[Tensor], Any], batch: Any) -> Any:
     """``batch`` with ``fn`` applied to every tensor leaf; the structure is kept."""
-    if isinstance(batch, Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return type(batch)((k, map_tensors(fn, v)) for k, v in batch.items())  # type: ignore[call-arg]
-    if isinstance(batch, (list, tuple)):
-        items = [map_tensors(fn, v) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
+    return map_leaves(fn, batch, lambda value: isinstance(value, Tensor))
+
+
+def map_leaves(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]) -> Any:
+    """``tree`` (tuples, lists, dicts and namedtuples, nested) with ``fn`` applied to every leaf that ``is_leaf``
+    picks; other leaves are kept as they are."""
+    if is_leaf(tree):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        return type(tree)((k, map_leaves(fn, v, is_leaf)) for k, v in tree.items())  # type: ignore[call-arg]
+    if isinstance(tree, (list, tuple)):
+        items = [map_leaves(fn, v, is_leaf) for v in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return tree
 
 
 def batch_size(batch: Any) -> int:

@@ -3,19 +3,23 @@
 A Tensor or a flat tuple of tensors, what most layers return, takes a flag. Anything else, tensors nested in
 tuples, lists, dicts and namedtuples with constants beside them, travels as a :class:`Skeleton`: the output
 pickled with a placeholder for each tensor, small enough for a message header.
+
+Written here rather than with ``torch.utils._pytree``: that module is private, its flat leaves mix the
+constants in with the tensors, and its serialized ``TreeSpec`` (``treespec_dumps``) refuses a namedtuple that
+was not registered for it (measured, torch 2.14), where a user's layer may return any namedtuple.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_gpipe.engine.microbatch import map_tensors, tensors
+from lightning_gpipe.engine.microbatch import map_leaves, map_tensors, tensors
 
 __all__ = ["SLOT", "Skeleton", "Structure", "crosses", "flatten", "unflatten"]
 
@@ -52,22 +56,11 @@ class Skeleton:
     def fill(self, values: Sequence[Tensor]) -> Any:
         """The output with ``values`` in place of its tensors, in the order of :func:`tensors`."""
         leaves = iter(values)
-        return _put(pickle.loads(self.raw), leaves)
+        return map_leaves(lambda _: next(leaves), pickle.loads(self.raw), lambda value: value is SLOT)
 
 
 #: How a stage output is rebuilt from its tensors: ``False`` one tensor, ``True`` a flat tuple, else a Skeleton.
 Structure = Union[bool, Skeleton]
-
-
-def _put(skeleton: Any, leaves: Iterator[Tensor]) -> Any:
-    if skeleton is SLOT:
-        return next(leaves)
-    if isinstance(skeleton, Mapping):
-        return type(skeleton)((k, _put(v, leaves)) for k, v in skeleton.items())  # type: ignore[call-arg]
-    if isinstance(skeleton, (list, tuple)):
-        items = [_put(v, leaves) for v in skeleton]
-        return type(skeleton)(*items) if hasattr(skeleton, "_fields") else type(skeleton)(items)
-    return skeleton
 
 
 def _odd_leaf(value: Any) -> Optional[str]:
