@@ -131,7 +131,7 @@ class Out(nn.Module):
 
     def forward(self, carry):
         state, positive = carry.state
-        return {"logits": self.linear(carry.x + state), "positive": positive.sum(1), "note": "per sample"}
+        return {"logits": self.linear(carry.x + state), "positive": positive.sum(1), "aux": None}
 
 
 def structured_model() -> nn.Sequential:
@@ -165,7 +165,7 @@ def structured_pipeline(rank: int, world_size: int, settings: list[tuple[list[in
                 "loss": loss.item(),
                 "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
                 "positive": out["positive"],
-                "note": out["note"],
+                "aux": out["aux"],
             }
         )
         pipe.close()

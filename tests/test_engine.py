@@ -105,9 +105,29 @@ def test_stage_output_that_is_not_a_tensor_names_the_layer():
         pipe(torch.randn(4, 4))
 
 
+def test_a_backbone_output_with_a_value_beside_its_tensors_is_refused_naming_the_layer_but_none_is_kept():
+    # the micro-batches' outputs join tensor by tensor: a count beside them would be one micro-batch's (4, not 8)
+    class WithCount(nn.Module):
+        def forward(self, x):
+            return x, x.shape[0]
+
+    class WithNone(nn.Module):
+        def forward(self, x):
+            return {"x": x, "aux": None} if x.shape[0] > 3 else [x, None]
+
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), WithCount()), chunks=2)
+    with pytest.raises(ValueError, match=r"Layer 1 \(WithCount\), the backbone's last, returned 4 beside its tensors"):
+        pipe(torch.randn(8, 4))
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), WithNone()), chunks=2)
+    out = pipe(torch.randn(8, 4))
+    assert out["x"].shape == (8, 4) and out["aux"] is None
+    with pytest.raises(ValueError, match=r"Layer 1 \(WithNone\), the backbone's last, returned outputs of different"):
+        pipe(torch.randn(7, 4))  # micro-batches of 4 and 3: a dict, then a list
+
+
 def test_dicts_namedtuples_nested_tuples_and_constants_cross_every_boundary_as_in_one_process():
     # every boundary of this backbone carries a structure (a dict with None and a float, a namedtuple around a
-    # nested tuple with a bool tensor), and so does its output (a dict with an int tensor and a string)
+    # nested tuple with a bool tensor), and so does its output (a dict with an int tensor and a None)
     from _engine_workers import structured_pipeline, structured_reference
 
     ref_loss, ref_grads, ref_positive = structured_reference()
@@ -118,7 +138,7 @@ def test_dicts_namedtuples_nested_tuples_and_constants_cross_every_boundary_as_i
         for rank in range(3):
             got = results[rank][index]
             assert got["loss"] == pytest.approx(ref_loss, abs=1e-6), setting
-            assert torch.equal(got["positive"], ref_positive) and got["note"] == "per sample", setting
+            assert torch.equal(got["positive"], ref_positive) and got["aux"] is None, setting
             grads.update(got["grads"])
         assert set(grads) == set(ref_grads)
         for name, grad in ref_grads.items():

@@ -25,6 +25,7 @@ def test_flatten_takes_tensors_in_tuples_lists_and_dicts_with_constants_and_unfl
         structure.flatten((x, object()))
     with pytest.raises(TypeError, match=r"got a tuple without a tensor"):
         structure.flatten((None, 3))
+    assert structure.flatten({"h": x, "pair": (None, 0.5), "name": "x"})[1].constants() == [None, 0.5, "x"]
     Local = collections.namedtuple("Local", "a")  # made in a function: another process cannot find it by name
     with pytest.raises(TypeError, match="got a Local that cannot be pickled"):
         structure.flatten(Local(x))

@@ -33,7 +33,7 @@ from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
 from lightning_gpipe.engine.skip.traffic import Bundles
 from lightning_gpipe.engine.split_backward import WeightPass, inputs_first
 from lightning_gpipe.engine.stage_input import FirstStageInputs, KeptInputs, enter
-from lightning_gpipe.engine.structure import Structure, flatten, unflatten
+from lightning_gpipe.engine.structure import Skeleton, Structure, flatten, unflatten
 from lightning_gpipe.engine.tracer import Tracer, span
 
 __all__ = ["StageRunner"]
@@ -316,15 +316,23 @@ class StageRunner:
         return values, structure
 
     def _one_structure(self, structures: list[Structure]) -> Structure:
-        """The backbone output's structure: the micro-batches' outputs join tensor by tensor, so anything else in
-        them (a ``None``, a number, a string) must be the same in every micro-batch."""
-        if any(s != structures[0] for s in structures[1:]):
-            index, layer = self.layers[-1]
+        """The backbone output's structure. The micro-batches' outputs join tensor by tensor, so a value beside the
+        tensors would be one micro-batch's, not the batch's (a count, a mean, a flag computed from the samples):
+        only ``None`` may sit there, and the form must be the same in every micro-batch."""
+        index, layer = self.layers[-1]
+        named = f"Layer {index} ({type(layer).__name__}), the backbone's last,"
+        kept = structures[0].constants() if isinstance(structures[0], Skeleton) else []
+        if any(value is not None for value in kept):
+            shown = ", ".join(repr(value) for value in kept if value is not None)
             raise ValueError(
-                f"Layer {index} ({type(layer).__name__}), the backbone's last, returned outputs of different forms for "
-                "the micro-batches of one batch (the values beside its tensors differ, or their places). The pipeline "
-                "joins the micro-batches' outputs tensor by tensor into the backbone's output, so only tensors may "
-                "differ between micro-batches: return per-sample values as tensors with the batch in dim 0."
+                f"{named} returned {shown} beside its tensors. The pipeline runs the backbone on micro-batches and "
+                "joins their outputs tensor by tensor, so such a value would be one micro-batch's, not the batch's. "
+                "Return it as a tensor with the batch in dim 0 (per sample), or compute it outside the backbone."
+            )
+        if any(s != structures[0] for s in structures[1:]):
+            raise ValueError(
+                f"{named} returned outputs of different forms for the micro-batches of one batch. The pipeline joins "
+                "the micro-batches' outputs tensor by tensor into the backbone's output, so their forms must match."
             )
         return structures[0]
 

@@ -53,6 +53,13 @@ class Skeleton:
 
     raw: bytes
 
+    def constants(self) -> list[Any]:
+        """The values beside the tensors (``None``, numbers, strings), in order."""
+        found: list[Any] = []
+        is_constant = lambda value: value is not SLOT and not isinstance(value, (Mapping, list, tuple))  # noqa: E731
+        map_leaves(found.append, pickle.loads(self.raw), is_constant)
+        return found
+
     def fill(self, values: Sequence[Tensor]) -> Any:
         """The output with ``values`` in place of its tensors, in the order of :func:`tensors`."""
         leaves = iter(values)
