@@ -8,7 +8,6 @@ the model, the step, collectives, data, checkpoints, failure and teardown.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -958,7 +957,7 @@ class GPipeStrategy(ParallelStrategy):
         the ``meta`` parameters are then dropped from them, leaving this stage's.
         """
         # a layer another stage holds reads as its meta copy: `self.backbone[-1].parameters()`, then dropped
-        every_layer = self.pipe.all_layers() if self.pipe is not None else contextlib.nullcontext()
+        every_layer = self.pipe.all_layers() if self.pipe is not None else nullcontext()
         with accept_empty_parameter_lists() as emptied, every_layer:
             super().setup_optimizers(trainer)
         self._emptied = emptied

@@ -580,8 +580,8 @@ class GPipe(nn.Module):
             f"rank, so the run stops on every rank. Select layers by parameter name instead, e.g. "
             f"`[p for n, p in self.named_parameters() if n.startswith('{name}{missing[0]}.')]` (empty on the stages "
             "without the layer), or use `local_layers()` for this stage's (index, layer) pairs. (In "
-            "`configure_optimizers`, selecting layers by position works: another stage's layer reads there as one "
-            "without parameters.)"
+            "`configure_optimizers`, selecting layers by position works: another stage's layer reads there as its "
+            "`meta` copy, whose parameters the optimizers leave out.)"
         )
 
     def extra_repr(self) -> str:
