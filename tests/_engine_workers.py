@@ -89,22 +89,22 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
 Carry = collections.namedtuple("Carry", "x state")
 
 
-class Lift(nn.Module):
-    """Into a dict with a constant and a ``None`` beside the tensor: every boundary after it carries a structure."""
+class _Linear(nn.Module):
+    """A layer around one ``nn.Linear``; the subclasses differ in what they take and return."""
 
-    def __init__(self) -> None:
+    def __init__(self, size_in: int = 8, size_out: int = 8) -> None:
         super().__init__()
-        self.linear = nn.Linear(4, 8)
+        self.linear = nn.Linear(size_in, size_out)
+
+
+class Lift(_Linear):
+    """Into a dict with a constant and a ``None`` beside the tensor: every boundary after it carries a structure."""
 
     def forward(self, x):
         return {"x": self.linear(x), "mask": None, "scale": 0.5}
 
 
-class DictBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
+class DictBlock(_Linear):
     def forward(self, d):
         return {"x": torch.tanh(self.linear(d["x"])) * d["scale"], "mask": d["mask"], "scale": d["scale"]}
 
@@ -114,21 +114,13 @@ class ToCarry(nn.Module):
         return Carry(d["x"], (d["x"].tanh(), d["x"] > 0))  # a namedtuple around a nested tuple with a bool tensor
 
 
-class CarryBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
+class CarryBlock(_Linear):
     def forward(self, carry):
         state, positive = carry.state
         return Carry(torch.tanh(self.linear(carry.x)) + state * positive, (state, positive))
 
 
-class Out(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 3)
-
+class Out(_Linear):
     def forward(self, carry):
         state, positive = carry.state
         return {"logits": self.linear(carry.x + state), "positive": positive.sum(1), "aux": None}
@@ -136,7 +128,7 @@ class Out(nn.Module):
 
 def structured_model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(Lift(), DictBlock(), DictBlock(), ToCarry(), CarryBlock(), CarryBlock(), Out())
+    return nn.Sequential(Lift(4), DictBlock(), DictBlock(), ToCarry(), CarryBlock(), CarryBlock(), Out(8, 3))
 
 
 def structured_reference() -> tuple[float, dict, Tensor]:
