@@ -811,8 +811,8 @@ class GPipeStrategy(ParallelStrategy):
 
     def _note_split_weights(self, fitting: bool) -> None:
         """Fingerprint this stage's weights where the split was made (in setup, before ``configure_optimizers``) or a
-        restore filled it, for
-        a fit over several stages (:mod:`lightning_gpipe.engine.split_weights`); else watch nothing."""
+        restore filled it, for a fit over several stages (:mod:`lightning_gpipe.engine.split_weights`); else watch
+        nothing."""
         pipe = self.pipe if fitting else None
         self._split_weights.note(pipe.parameters() if pipe is not None and pipe.group is not None else None)
 

@@ -137,6 +137,7 @@ def profile_layers(
     outputs_counted = [0] * len(module)
     workings = [0] * len(module)
     crossable = [True] * len(module)
+    size = microbatch.batch_size(sample)
     pops = {route.key: route.pop_layer for route in find_skips(module) if route.pop_layer != route.stash_layer}
     # Whole sweeps, not repeats of one layer in a row: each layer then meets the caches and the
     # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
@@ -168,7 +169,7 @@ def profile_layers(
                     inputs_counted[index] = measured.input_counted
                     outputs_counted[index] = measured.output_counted
                     workings[index] = measured.backward_working
-                    crossable[index] = structure.crosses(x, microbatch.batch_size(sample))
+                    crossable[index] = structure.crosses(x, size)
                 else:
                     times[index].append(measured.forward + measured.backward)
                     forwards[index].append(measured.forward)
@@ -185,7 +186,7 @@ def profile_layers(
         output_bytes=tuple(outputs),
         input_counted=tuple(inputs_counted),
         output_counted=tuple(outputs_counted),
-        batch=microbatch.batch_size(sample),
+        batch=size,
         backward_working=tuple(workings),
         crossable=tuple(crossable),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -177,7 +178,7 @@ def balance_keeping_together(costs: Sequence[float], stages: int, spans: Sequenc
             "c), or an object other than tensors in tuples, lists and dicts with constants beside them. Make such "
             "layers return per-sample tensors (batch first), or use fewer devices."
         )
-    bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
+    bounds = [0, *itertools.accumulate(sizes)]
     grouped = balance([sum(costs[bounds[g] : bounds[g + 1]]) for g in range(len(sizes))], stages)
     layers, group = [], 0
     for count in grouped:

@@ -33,7 +33,7 @@ from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
 from lightning_gpipe.engine.skip.traffic import Bundles
 from lightning_gpipe.engine.split_backward import WeightPass, inputs_first
 from lightning_gpipe.engine.stage_input import FirstStageInputs, KeptInputs, enter
-from lightning_gpipe.engine.structure import Skeleton, Structure, flatten, unflatten
+from lightning_gpipe.engine.structure import Skeleton, Structure, flatten, per_sample, unflatten
 from lightning_gpipe.engine.tracer import Tracer, span
 
 __all__ = ["StageRunner"]
@@ -275,7 +275,7 @@ class StageRunner:
         and travel on as if it were: a silently different result. So it is refused, naming the layer.
         """
         for t in y:
-            if t.dim() > 0 and t.shape[0] == size:
+            if per_sample(t, size):
                 continue
             index, layer = self.layers[-1]
             if skip_to is not None:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_gpipe.engine.microbatch import map_leaves, map_tensors, tensors
 
-__all__ = ["SLOT", "Skeleton", "Structure", "crosses", "flatten", "unflatten"]
+__all__ = ["SLOT", "Skeleton", "Structure", "crosses", "flatten", "per_sample", "unflatten"]
 
 
 class _Slot:
@@ -120,6 +120,11 @@ def unflatten(values: Sequence[Tensor], structure: Structure) -> Any:
     return tuple(values) if structure else values[0]
 
 
+def per_sample(t: Tensor, size: int) -> bool:
+    """Whether ``t`` has a micro-batch of ``size`` samples in dim 0: what the pipeline cuts and joins along."""
+    return t.dim() > 0 and t.shape[0] == size
+
+
 def crosses(outputs: Any, size: int) -> bool:
     """Whether a layer's output for a micro-batch of ``size`` samples can leave a stage: :func:`flatten` takes it,
     and each of its tensors has the samples in dim 0 (the stage's batch check).
@@ -135,4 +140,4 @@ def crosses(outputs: Any, size: int) -> bool:
         values, _ = flatten(outputs)
     except TypeError:
         return False
-    return all(t.dim() > 0 and t.shape[0] == size for t in values)
+    return all(per_sample(t, size) for t in values)
