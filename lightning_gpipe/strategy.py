@@ -219,6 +219,9 @@ class GPipeStrategy(ParallelStrategy):
         split_backward: compute each micro-batch's input gradient first in the drain and send it, then the
             weight gradients (see :class:`~lightning_gpipe.GPipe`); the same results. Off by default: on
             the CPU its graph walk and extra autograd calls cost more than the earlier input gradient saves.
+        check_per_sample: refuse, at the first batch that is cut into micro-batches, a backbone layer that mixes
+            the samples along dim 0 (see :class:`~lightning_gpipe.GPipe`): most often a sequence-first layer given
+            ``(sequence, batch, ...)``. ``False`` runs such layers per micro-batch, as GPipe runs BatchNorm.
         reuse_freed_memory: on the CPU, set each stage process's glibc malloc to keep the memory a step frees
             for the next step instead of returning it to the system and faulting it in again
             (:mod:`lightning_gpipe.engine.host_malloc`): measured 10-14% off a K=2 step on a 2-core machine.
@@ -246,6 +249,7 @@ class GPipeStrategy(ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         deferred_batch_norm: bool = False,
         split_backward: bool = False,
+        check_per_sample: bool = True,
         reuse_freed_memory: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -291,6 +295,9 @@ class GPipeStrategy(ParallelStrategy):
         if not isinstance(split_backward, bool):
             raise TypeError(f"`split_backward` must be True or False, got {split_backward!r}.")
         self.split_backward = split_backward
+        if not isinstance(check_per_sample, bool):
+            raise TypeError(f"`check_per_sample` must be True or False, got {check_per_sample!r}.")
+        self.check_per_sample = check_per_sample
         if not isinstance(reuse_freed_memory, bool):
             raise TypeError(f"`reuse_freed_memory` must be True or False, got {reuse_freed_memory!r}.")
         self.reuse_freed_memory = reuse_freed_memory
@@ -522,6 +529,7 @@ class GPipeStrategy(ParallelStrategy):
             board=self._board,
             mesh=self._mesh,
             split_backward=self.split_backward,
+            check_per_sample=self.check_per_sample,
         )
         pipe.ties.prefix = self.backbone + "."
         if pipe.started_from_rank_zero:

@@ -457,3 +457,30 @@ def deadlocked(rank: int, world_size: int, cause: str, path: str) -> None:
         **M.trainer_kwargs(callbacks=callbacks, max_steps=-1, max_epochs=2),
     )
     trainer.fit(model, M.loader(shuffle=False))
+
+
+class SequenceFirst(L.LightningModule):
+    """A Transformer layer built sequence-first (torch's default) and given ``(sequence, batch, features)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.backbone = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), layer, nn.Linear(8, M.CLASSES))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        sequence = x.view(len(x), 3, 2).transpose(0, 1)  # (3 positions, batch, 2): the cut falls across positions
+        return nn.functional.cross_entropy(self.backbone(sequence).mean(0), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def sequence_first_fit(rank: int, world_size: int, check: bool) -> None:
+    """Trains :class:`SequenceFirst` at K=2 with the Transformer layer on stage 1 (3 positions: micro-batches of 2
+    and 1), with the per-sample check on or off."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    strategy = GPipeStrategy(chunks=2, balance=[2, 2], check_per_sample=check)
+    L.Trainer(strategy=strategy, devices=world_size, **M.trainer_kwargs(max_steps=2)).fit(SequenceFirst(), M.loader())

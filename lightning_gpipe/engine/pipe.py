@@ -137,6 +137,11 @@ class GPipe(nn.Module):
             the weight gradients (:mod:`lightning_gpipe.engine.split_backward`). Same results; off by
             default because on the CPU its graph walk and extra autograd calls cost more than it saves
             (``docs/benchmarks.md``).
+        check_per_sample: at the first call that cuts a batch (``chunks > 1``, 2 samples or more in the first
+            micro-batch), check that every layer treats the samples along dim 0 apart, and refuse one that mixes
+            them (a sequence-first layer given ``(sequence, batch, ...)``: see
+            :mod:`lightning_gpipe.engine.sample_check`). ``False`` runs such layers per micro-batch, as GPipe runs
+            BatchNorm.
     """
 
     def __init__(
@@ -153,6 +158,7 @@ class GPipe(nn.Module):
         board: Optional[FailureBoard] = None,
         mesh: Optional[DeviceMesh] = None,
         split_backward: bool = False,
+        check_per_sample: bool = True,
     ) -> None:
         super().__init__()
         self._partial_state = 0  # > 0 inside `stage_state()`: state_dict() may return this stage's part
@@ -163,8 +169,9 @@ class GPipe(nn.Module):
             "take each stage's part as below and gather the parts with `pipe.gather(part, to_all=False)` on every "
             "process (the whole state on the first stage)"
         )
-        if not isinstance(split_backward, bool):
-            raise TypeError(f"`split_backward` must be True or False, got {split_backward!r}.")
+        for name, flag in (("split_backward", split_backward), ("check_per_sample", check_per_sample)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be True or False, got {flag!r}.")
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
         refuse_lazy_layers(module)
@@ -225,6 +232,7 @@ class GPipe(nn.Module):
         self.ties = TiedCopies(module, ties, self.stage, layout, rank, self.device)  # collective with ties
         self.runner.after_drain = self.ties.after_drain
         self.runner.split_backward = split_backward
+        self.runner.check_per_sample = check_per_sample
         if self.replica_group is not None:
             tied = self.ties.excluded()  # their replica average is part of the tie's sum
             self.runner.grad_sync = GradientSync(

@@ -27,6 +27,7 @@ from lightning_gpipe.engine.lockstep import check_message
 from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
+from lightning_gpipe.engine.sample_check import MixedSamples, find_mixing, probing
 from lightning_gpipe.engine.schedule import fill_drain
 from lightning_gpipe.engine.selective import back_into_inputs, fills_every_leaf
 from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
@@ -92,6 +93,10 @@ class StageRunner:
         #: Input gradients first in the drain (see :mod:`lightning_gpipe.engine.split_backward`).
         self.split_backward = False
         self.split_passes = 0  # micro-batch backwards that ran split (the others ran whole)
+        #: Whether the first call with a micro-batch of 2 samples or more checks that the layers work per sample
+        #: (:mod:`lightning_gpipe.engine.sample_check`); ``per_sample_checked`` once it ran.
+        self.check_per_sample = True
+        self.per_sample_checked = False
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
@@ -227,6 +232,8 @@ class StageRunner:
                     x = unflatten(values, message.structure)
                 skip_tag = Tag("skip", call, i, run.label, fingerprint)
                 received, skip_in_grad = self.skips.receive(partial(self._recv_stage, skip_tag), train)
+                if i == 0 and self._sample_check_due(sizes):
+                    self._check_per_sample(x, received, sizes[0], call)
                 recompute = train and checkpointed(self.checkpoint, i, count)
                 writes: AbstractContextManager[dict[int, Tensor]] = (
                     self._writes.before() if recompute else nullcontext({})  # what the recompute must replay
@@ -266,6 +273,35 @@ class StageRunner:
                     self._send(self.ranks[dst], values, skip_flags[dst], True, skip_tag)
         run.sizes = sizes
         return self._share(outputs, structures, Tag("output", call, -1, run.label))
+
+    def _sample_check_due(self, sizes: list[int]) -> bool:
+        """Whether this call checks the layers per sample: the first that cuts the batch, with 2 samples or more in
+        its first micro-batch (with ``chunks=1`` nothing is cut, so anything goes)."""
+        return self.check_per_sample and not self.per_sample_checked and self.chunks > 1 and sizes[0] > 1
+
+    def _check_per_sample(self, x: Any, received: Bundles, size: int, call: int) -> None:
+        """Refuses layers that mix the samples of a micro-batch (see :mod:`~lightning_gpipe.engine.sample_check`)."""
+        self.per_sample_checked = True
+        seed = lambda index: seed_layer(layer_seed(self.seed, call, 0, index), self.device)  # noqa: E731
+        leaving = lambda tracker: self.skips.outgoing(tracker, self._describe_layer)  # noqa: E731
+        with isolated_rng(self.device), probing(self._modules):
+            found = find_mixing(self.layers, x, self.skips.keyed(received), size, seed, leaving)
+        if found is None:
+            return
+        cut = size // 2
+        raise MixedSamples(
+            f"Stage {self.stage} mixes the samples along dim 0, first in layer {found.index} "
+            f"({type(found.layer).__name__}): its output for some samples of a micro-batch of {size} changed when the "
+            f"other samples changed (the last {size - cut} replaced by copies of the first {cut}, then the other way; "
+            f"relative difference {found.difference:.2g}, tolerance {found.tolerance:.0e}; checked once, in eval "
+            "mode). The pipeline cuts every batch into micro-batches along dim 0 and runs them apart, so this model "
+            "would learn something else than on one device. Most often the layout is sequence-first: "
+            "nn.TransformerEncoderLayer, nn.MultiheadAttention, nn.LSTM or nn.GRU with batch_first=False, given "
+            "(sequence, batch, ...), where the cut falls across the sequence. Build them with batch_first=True and "
+            "pass (batch, sequence, ...). A layer that mixes the samples on purpose (a statistic over the batch) "
+            "equals one device only with chunks=1; to run it per micro-batch anyway, as GPipe runs BatchNorm, pass "
+            "check_per_sample=False to GPipeStrategy or GPipe."
+        )
 
     def _check_batch_dim(self, y: tuple[Tensor, ...], size: int, skip_to: Optional[int] = None) -> None:
         """Every tensor that leaves the stage has the micro-batch in dim 0 (shapes only: cheap).

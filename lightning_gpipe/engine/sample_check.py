@@ -1,0 +1,166 @@
+"""The check that a stage's layers treat the samples along dim 0 apart, as cutting a batch into micro-batches assumes.
+
+The pipeline runs each micro-batch through the layers on its own and joins the outputs along dim 0. That equals
+the whole batch at once only where every layer works per sample. A layer that mixes the samples of dim 0 makes
+the result depend on ``chunks``, silently. The common case is a layout mistake, not an exotic layer: a
+sequence-first layer (``nn.TransformerEncoderLayer``, ``nn.LSTM`` or ``nn.GRU`` with ``batch_first=False``) given
+``(sequence, batch, ...)``, where the cut into micro-batches then falls across the sequence. Every attention
+then sees part of the sequence; the shapes all fit and the loss trains, 2e-3 off one device after 4 steps
+(measured).
+
+So at the first call whose first micro-batch holds 2 samples or more, each stage runs its layers three more times
+on that micro-batch: as it is, with its second half replaced by copies of its first half's samples, and the other
+way round. Where every layer works per sample, the kept half's outputs cannot change. The runs have equal shapes,
+so they run the same kernels in the same order, and the kept rows come out equal to rounding. A batch and its
+halves would instead differ by a kernel's choice (1e-3 with a GPU's TF32 convolutions), summed over the layers.
+Replacing each half in turn also catches a layer that is causal along dim 0 (a sequence-first LSTM's later
+positions depend on the earlier ones, not the other way).
+
+The decision is made on what leaves the stage (its output and the skips it sends), whose tensors must keep the
+batch in dim 0. The layer named is the first whose output changed in the kept rows. A layer that moves the batch
+out of dim 0 inside the stage (a transpose to sequence-first) can be named there wrongly, never refused wrongly.
+
+The probe changes nothing the training sees. It runs without a graph, in eval mode (dropout off; BatchNorm, which
+mixes samples only in training and has its own warning, uses its running statistics). Its buffers are swapped for
+copies, the random streams isolated, and it works on copies of the inputs. What it cannot hide: hooks on the
+layers see its calls, and it costs three micro-batch forwards per stage, once.
+
+Written here because neither torch nor Lightning checks this: torch's ``Pipe`` and ``pipelining`` assume it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gpipe.engine.microbatch import map_tensors, tensors
+from lightning_gpipe.engine.skip import SkipTracker, use_tracker
+from lightning_gpipe.engine.structure import per_sample
+
+__all__ = ["Mixing", "MixedSamples", "find_mixing", "mismatch", "probing", "replaced"]
+
+#: Relative difference (Frobenius norm of the kept rows) above which a run counts as changed. Per-sample layers on
+#: equal shapes differ by rounding at most (a memory alignment's code path in a BLAS: 1e-7 in float32, one bfloat16
+#: step in rare elements); a layer that mixes samples moves them by 1e-2 to 1 (measured, see the tests).
+_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
+_DEFAULT_TOLERANCE = 1e-3
+
+
+class MixedSamples(ValueError):
+    """A stage's output for some samples of a micro-batch changed when the others did."""
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """What :func:`find_mixing` found: the difference, its tolerance, and the first layer whose output changed."""
+
+    difference: float
+    tolerance: float
+    index: int
+    layer: nn.Module
+
+
+def replaced(x: Any, size: int, keep_first: bool) -> Any:
+    """A copy of ``x`` (a micro-batch of ``size`` samples) with one half's samples replaced by copies of the other's:
+    the second half with ``keep_first``, else the first. Tensors without the batch in dim 0 stay as they are."""
+    cut = size // 2
+    index = torch.arange(size)
+    if keep_first:
+        index[cut:] = torch.arange(size - cut) % cut
+    else:
+        index[:cut] = cut + torch.arange(cut) % (size - cut)
+    return map_tensors(lambda t: t.index_select(0, index.to(t.device)) if per_sample(t, size) else t, x)
+
+
+def mismatch(reference: Any, other: Any, size: int, keep_first: bool) -> tuple[float, float]:
+    """How far ``other``'s kept rows moved from ``reference``'s, over the float tensors with the batch in dim 0: the
+    largest relative difference and the tolerance for its dtype; ``(0.0, 1.0)`` where nothing compares."""
+    rows = slice(0, size // 2) if keep_first else slice(size // 2, size)
+    worst, tolerance = 0.0, 1.0
+    ours, theirs = tensors(reference), tensors(other)
+    if len(ours) != len(theirs):
+        return worst, tolerance
+    for a, b in zip(ours, theirs):
+        if not (a.is_floating_point() and per_sample(a, size) and a.shape == b.shape and a.dtype == b.dtype):
+            continue
+        kept, moved = a[rows].double(), b[rows].double()
+        if not torch.isfinite(kept).all():
+            continue
+        scale, off = kept.norm().item(), (moved - kept).norm().item()
+        relative = off / scale if scale > 0 else (0.0 if off == 0 else float("inf"))
+        limit = _TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
+        if relative / limit > worst / tolerance:
+            worst, tolerance = relative, limit
+    return worst, tolerance
+
+
+def _changed(outputs: list[Any], size: int) -> tuple[float, float]:
+    """The larger mismatch of the two replaced runs (``outputs[1:]``) against the micro-batch as it is."""
+    first = mismatch(outputs[0], outputs[1], size, keep_first=True)
+    second = mismatch(outputs[0], outputs[2], size, keep_first=False)
+    return max(first, second, key=lambda found: found[0] / found[1])
+
+
+@contextmanager
+def probing(modules: nn.Module) -> Iterator[None]:
+    """Inside: ``modules`` in eval mode, without a graph, with copies of their buffers; afterwards as they were, their
+    original buffers untouched (a counter written in forward counts no probe)."""
+    modes = [(m, m.training) for m in modules.modules()]
+    buffers = [(m, name, b) for m in modules.modules() for name, b in m._buffers.items() if b is not None]
+    for module, name, buffer in buffers:
+        module._buffers[name] = buffer.detach().clone()
+    try:
+        modules.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
+        for module, mode in modes:
+            module.training = mode
+
+
+def find_mixing(
+    layers: Sequence[tuple[int, nn.Module]],
+    x: Any,
+    received: dict[Any, Tensor],
+    size: int,
+    seed_layer: Callable[[int], None],
+    leaving: Callable[[SkipTracker], Any] = lambda tracker: (),
+) -> Optional[Mixing]:
+    """Whether ``layers`` mix the samples of ``x``, a micro-batch of ``size`` (2 or more) samples, with the skip
+    tensors ``received`` by key: ``None``, or what changed. Call it inside :func:`probing`. ``seed_layer(index)``
+    seeds a layer's random stream, the same in every run, and each run starts from the layer's buffers as they were;
+    ``leaving(tracker)`` are the skips the stage sends."""
+    runs = [
+        (map_tensors(lambda t: t.clone(), x), SkipTracker(map_tensors(lambda t: t.clone(), received), record=True)),
+        *(
+            (replaced(x, size, keep), SkipTracker(replaced(received, size, keep), record=True))
+            for keep in (True, False)
+        ),
+    ]
+    first_changed: Optional[tuple[int, nn.Module]] = None
+    for index, layer in layers:
+        buffers = [(m, name, b) for m in layer.modules() for name, b in m._buffers.items() if b is not None]
+        outputs = []
+        for value, tracker in runs:
+            for module, name, buffer in buffers:  # each run from the same state: a counter would count the runs
+                module._buffers[name] = buffer.clone()
+            seed_layer(index)
+            with use_tracker(tracker):
+                outputs.append(layer(value))
+        if first_changed is None:
+            difference, tolerance = _changed(outputs, size)
+            if difference > tolerance:
+                first_changed = (index, layer)
+        runs = [(output, tracker) for output, (_, tracker) in zip(outputs, runs)]
+    difference, tolerance = _changed([(value, leaving(tracker)) for value, tracker in runs], size)
+    if difference <= tolerance:
+        return None
+    index, layer = first_changed or layers[-1]
+    return Mixing(difference, tolerance, index, layer)
