@@ -100,7 +100,7 @@ from lightning_gpipe.engine.partition import (
     split_table,
     validate_balance,
 )
-from lightning_gpipe.engine.pipe import DEADLOCK_MARGIN, GPipe, refuse_lazy_layers
+from lightning_gpipe.engine.pipe import DEADLOCK_MARGIN, GPipe, refuse_lazy_layers, refuse_sync_batch_norm
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
 from lightning_gpipe.engine.split_weights import SplitWeights, judge
@@ -505,6 +505,7 @@ class GPipeStrategy(ParallelStrategy):
             )
         refuse_lazy_layers(sequential)  # before the profile, which would meet them first
         layout = self.layout
+        refuse_sync_batch_norm(sequential, layout.pipe_size)  # before the profile too: it would wait in a collective
         if layout.pipe_size > len(sequential):
             raise ValueError(
                 f"The pipeline has {layout.pipe_size} stages but `{self.backbone}` has only {len(sequential)} layers; "

@@ -325,6 +325,68 @@ def structures_across_stages() -> Scenario:
     return Scenario(Base(nn.Sequential(*layers)))
 
 
+@dataclass
+class Images:
+    """A batch as a dataclass, with a string per sample beside the tensors (Lightning moves the tensors)."""
+
+    x: Tensor
+    y: Tensor
+    names: list[str]
+
+
+def _images(samples: list[tuple[Tensor, Tensor]]) -> Images:
+    xs, ys = zip(*samples)
+    return Images(torch.stack(xs), torch.stack(ys), [f"sample {int(y)}" for y in ys])
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """A layer's output as a frozen dataclass, with a field ``__init__`` does not take."""
+
+    h: Tensor
+    gate: Tensor
+    kind: str = field(default="hidden", init=False)
+
+
+class _FromImages(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, FEATURES)
+
+    def forward(self, batch: Images) -> Hidden:
+        h = self.linear(batch.x)
+        return Hidden(h, torch.sigmoid(h))
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, FEATURES)
+
+    def forward(self, hidden: Hidden) -> Hidden:
+        return Hidden(torch.tanh(self.linear(hidden.h)) * hidden.gate, hidden.gate)
+
+
+class _Ungate(nn.Module):
+    def forward(self, hidden: Hidden) -> Tensor:
+        return hidden.h + hidden.gate
+
+
+class WholeBatchIn(Base):
+    """The backbone takes the loader's batch itself, a dataclass."""
+
+    def loss(self, batch: Images) -> Tensor:
+        return F.cross_entropy(self.backbone(batch), batch.y)
+
+
+def dataclass_batches() -> Scenario:
+    # the batch is a dataclass the backbone takes whole (cut field by field, its strings kept), and dataclasses
+    # cross the stage boundaries (the split by time cuts between the layers that pass them)
+    layers = [_FromImages(), _Gated(), _Gated(), _Ungate(), nn.Linear(FEATURES, CLASSES)]
+    train = DataLoader(_data(), batch_size=BATCH, collate_fn=_images)
+    return Scenario(WholeBatchIn(nn.Sequential(*layers)), train=train)
+
+
 class TunedRate(Base):
     """A learning rate that Lightning's learning rate finder sets (``lr``, read in ``configure_optimizers``)."""
 
@@ -738,6 +800,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         backbone_called_twice,
         tuples_across_stages,
         structures_across_stages,
+        dataclass_batches,
         lr_finder,
         throughput_monitor,
         same_trainer_after_fit,

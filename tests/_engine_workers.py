@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import sys
 
 import torch
@@ -109,21 +110,31 @@ class DictBlock(_Linear):
         return {"x": torch.tanh(self.linear(d["x"])) * d["scale"], "mask": d["mask"], "scale": d["scale"]}
 
 
+@dataclasses.dataclass
+class State:
+    """A dataclass inside the namedtuple, with a string beside its tensors."""
+
+    value: Tensor
+    positive: Tensor
+    note: str = "state"
+
+
 class ToCarry(nn.Module):
     def forward(self, d):
-        return Carry(d["x"], (d["x"].tanh(), d["x"] > 0))  # a namedtuple around a nested tuple with a bool tensor
+        return Carry(d["x"], State(d["x"].tanh(), d["x"] > 0))  # a namedtuple around a dataclass with a bool tensor
 
 
 class CarryBlock(_Linear):
     def forward(self, carry):
-        state, positive = carry.state
-        return Carry(torch.tanh(self.linear(carry.x)) + state * positive, (state, positive))
+        state = carry.state
+        x = torch.tanh(self.linear(carry.x)) + state.value * state.positive
+        return Carry(x, State(state.value, state.positive))
 
 
 class Out(_Linear):
     def forward(self, carry):
-        state, positive = carry.state
-        return {"logits": self.linear(carry.x + state), "positive": positive.sum(1), "aux": None}
+        state = carry.state
+        return {"logits": self.linear(carry.x + state.value), "positive": state.positive.sum(1), "aux": None}
 
 
 def structured_model() -> nn.Sequential:

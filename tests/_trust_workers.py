@@ -119,6 +119,28 @@ class PerRankStream(IterableDataset):
             yield torch.randn(M.FEATURES, generator=generator), torch.randint(0, M.CLASSES, (), generator=generator)
 
 
+class UnseededText(Dataset):
+    """Words drawn by a generator of its own, never seeded, with fixed labels: each process reads other text."""
+
+    def __init__(self) -> None:
+        self.random = random.Random()
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int):
+        return "".join(self.random.choice("abcdefgh") for _ in range(M.FEATURES)), index % M.CLASSES
+
+
+class TextNet(M.Net):
+    """Featurizes a batch of words inside ``training_step``: the loader's batch holds strings, not tensors."""
+
+    def training_step(self, batch, batch_idx):
+        words, y = batch
+        x = torch.tensor([[ord(c) - ord("a") for c in word] for word in words], dtype=torch.float32)
+        return super().training_step((x, y), batch_idx)
+
+
 def different_batches(rank: int, world_size: int, cause: str) -> None:
     """The stages get different batches: unseeded randomness, a per-rank stream, or loaders of unequal lengths."""
     L.seed_everything(0, verbose=False)
@@ -127,6 +149,9 @@ def different_batches(rank: int, world_size: int, cause: str) -> None:
         data = DataLoader(NoisyDigits(), batch_size=8)
     elif cause == "per-rank iterable":
         data = DataLoader(PerRankStream(), batch_size=8)
+    elif cause == "unseeded text":
+        _fit(TextNet(), world_size, data=DataLoader(UnseededText(), batch_size=8))
+        return
     else:  # rank 1 has one batch less per epoch, so its second epoch starts while rank 0 is still in its first
         data = M.loader(samples=40 - 8 * rank, shuffle=False)
     _fit(M.Net(), world_size, data=data, max_steps=-1, max_epochs=2)
@@ -388,6 +413,13 @@ def _sync_batchnorm(world_size: int) -> None:
     _pipelined(world_size, sync_batchnorm=True).fit(model, M.loader(shuffle=False))
 
 
+def _sync_batchnorm_layers(world_size: int) -> None:
+    model = M.Net()
+    model.backbone.insert(1, torch.nn.BatchNorm1d(16))
+    model.backbone = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.backbone)  # a DDP script's line
+    _pipelined(world_size).fit(model, M.loader(shuffle=False))
+
+
 def _graph_logging(world_size: int) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -402,6 +434,7 @@ REFUSED: dict[str, Callable[[int], None]] = {
     "timed validation": _timed_validation,
     "batch size finder": _batch_size_finder,
     "sync batchnorm": _sync_batchnorm,
+    "sync batchnorm layers": _sync_batchnorm_layers,
     "graph logging": _graph_logging,
 }
 

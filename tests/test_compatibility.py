@@ -69,6 +69,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "backbone_called_twice",
         "tuples_across_stages",
         "structures_across_stages",
+        "dataclass_batches",
         "unseeded_initial_weights",
         "unseeded_data_split",
         "loop_limits",

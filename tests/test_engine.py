@@ -125,9 +125,9 @@ def test_a_backbone_output_with_a_value_beside_its_tensors_is_refused_naming_the
         pipe(torch.randn(7, 4))  # micro-batches of 4 and 3: a dict, then a list
 
 
-def test_dicts_namedtuples_nested_tuples_and_constants_cross_every_boundary_as_in_one_process():
+def test_dicts_namedtuples_dataclasses_and_constants_cross_every_boundary_as_in_one_process():
     # every boundary of this backbone carries a structure (a dict with None and a float, a namedtuple around a
-    # nested tuple with a bool tensor), and so does its output (a dict with an int tensor and a None)
+    # dataclass with a bool tensor and a string), and so does its output (a dict with an int tensor and a None)
     from _engine_workers import structured_pipeline, structured_reference
 
     ref_loss, ref_grads, ref_positive = structured_reference()
@@ -234,3 +234,13 @@ def test_input_gradients_join_to_none_where_no_micro_batch_got_one_and_to_zeros_
     got = torch.ones(2, 4)
     joined = _join((got, None), [2, 3])
     assert joined.shape == (5, 4) and torch.equal(joined[:2], got) and not joined[2:].any()
+
+
+def test_sync_batch_norm_inside_a_layer_is_refused_for_several_stages_naming_it_and_kept_for_one():
+    from lightning_gpipe.engine.pipe import refuse_sync_batch_norm
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    backbone = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 4), block))
+    with pytest.raises(ValueError, match=r"Layer 1 \(Sequential\) of the backbone holds an nn.SyncBatchNorm \(`1`\)"):
+        refuse_sync_batch_norm(backbone, 2)
+    refuse_sync_batch_norm(backbone, 1)  # one stage: plain data parallelism, where SyncBatchNorm is what it is for

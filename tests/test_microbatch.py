@@ -1,7 +1,9 @@
 """Micro-batching: scatter a batch into `chunks` pieces (fewer for a smaller batch) and gather outputs back."""
 
 import collections
+import dataclasses
 
+import numpy
 import pytest
 import torch
 
@@ -85,3 +87,29 @@ def test_fingerprints_of_several_tensors_are_each_tensors_own_fingerprint():
     parts = [torch.randn(3, 4), torch.arange(5), torch.zeros(0), torch.randn(2, 2).t(), torch.tensor(1.5)]
     got = microbatch.fingerprints(parts)
     assert got == [microbatch.fingerprint(t) for t in parts] and len(set(got)) == len(parts)
+
+
+@dataclasses.dataclass
+class Batch:
+    """A batch as a dataclass, as Lightning moves it to the device: tensors and a list of strings."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    names: list
+
+
+def test_dataclass_batches_split_by_field_and_their_strings_and_numbers_count_in_the_fingerprint():
+    batch = Batch(torch.arange(6.0).view(3, 2), torch.tensor([0, 1, 2]), ["a", "b", "c"])
+    first, second = microbatch.scatter(batch, 2)
+    assert type(first) is Batch and first.labels.tolist() == [0, 1] and second.images.tolist() == [[4.0, 5.0]]
+    assert first.names == ["a", "b", "c"] and microbatch.batch_size(batch) == 3
+    same = Batch(batch.images.clone(), batch.labels.clone(), ["a", "b", "c"])
+    assert microbatch.fingerprint(same) == microbatch.fingerprint(batch)
+    assert microbatch.fingerprint(Batch(batch.images + 1, batch.labels, batch.names)) != microbatch.fingerprint(batch)
+    # the stages must agree on what is not a tensor too: a text batch's strings, a count, a NumPy array
+    assert microbatch.fingerprint(Batch(batch.images, batch.labels, ["a", "b", "d"])) != microbatch.fingerprint(batch)
+    assert microbatch.fingerprint((torch.ones(2), 3)) != microbatch.fingerprint((torch.ones(2), 4))
+    assert microbatch.fingerprint((torch.ones(2), 3.0)) != microbatch.fingerprint((torch.ones(2), 3))
+    numbers = numpy.arange(4)
+    assert microbatch.fingerprint([numbers]) == microbatch.fingerprint([numbers.copy()])
+    assert microbatch.fingerprint([numbers]) != microbatch.fingerprint([numbers[::-1].copy()])

@@ -1,6 +1,7 @@
 """What crosses a stage boundary: flatten a stage output to its tensors and a structure, and rebuild it."""
 
 import collections
+import dataclasses
 import types
 
 import pytest
@@ -11,15 +12,27 @@ from lightning_gpipe.engine import microbatch, structure
 Pair = collections.namedtuple("Pair", "a b")  # at module level: another process unpickles it by name
 
 
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A layer's output as a frozen dataclass, with a field that ``__init__`` does not take."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor | None
+    steps: int = 0
+    kind: str = dataclasses.field(default="enc", init=False)
+
+
 def test_flatten_takes_tensors_in_tuples_lists_and_dicts_with_constants_and_unflatten_rebuilds_them():
     x, h = torch.zeros(2, 3), torch.ones(2, 4)
     assert structure.flatten(x) == ((x,), False) and structure.flatten((x, h)) == ((x, h), True)
-    for output in [(x, (h, h)), [x, h], {"h": x, "mask": None, "n": 3}, (x, None), Pair(x, h), ((x,),)]:
+    encoded = Encoded(x, None, steps=2)
+    for output in [(x, (h, h)), [x, h], {"h": x, "mask": None, "n": 3}, (x, None), Pair(x, h), ((x,),), encoded]:
         values, shape = structure.flatten(output)
         assert isinstance(shape, structure.Skeleton) and len(values) == len(microbatch.tensors(output))
         rebuilt = structure.unflatten([v + 1 for v in values], shape)
         assert type(rebuilt) is type(output) and str(microbatch.map_tensors(lambda t: t - 1, rebuilt)) == str(output)
-    with pytest.raises(TypeError, match="got a SimpleNamespace; a stage must return Tensors, or tuples, lists or dict"):
+    assert structure.flatten((encoded, Encoded(h, x)))[1].constants() == [None, 2, "enc", 0, "enc"]
+    with pytest.raises(TypeError, match="got a SimpleNamespace; a stage must return Tensors, or tuples, lists, dicts"):
         structure.flatten(types.SimpleNamespace(x=x))
     with pytest.raises(TypeError, match=r"got a tuple holding a object"):
         structure.flatten((x, object()))

@@ -103,7 +103,9 @@ def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_wit
     assert not glob.glob(str(tmp_path / "ckpt" / "*"))
 
 
-@pytest.mark.parametrize("cause", ["unseeded random", "per-rank iterable", "loaders of unequal lengths"])
+@pytest.mark.parametrize(
+    "cause", ["unseeded random", "per-rank iterable", "loaders of unequal lengths", "unseeded text"]
+)
 def test_stages_with_different_batches_stop_at_the_first_difference_naming_the_stages_and_the_fixes(cause):
     outcome = run_processes(W.different_batches, 2, cause, timeout=120)
     _assert_all_ended_with_errors(outcome)
@@ -268,6 +270,10 @@ def test_what_each_rank_would_do_its_own_way_is_refused_on_every_rank_before_any
         refused = result["sync batchnorm"]
         assert refused is not None and refused.startswith("Trainer(sync_batchnorm=True) is not supported")
         assert "`backbone.1`" in refused and "deferred_batch_norm=True" in refused
+        # and SyncBatchNorm layers the module made itself (a DDP script's convert_sync_batchnorm)
+        refused = result["sync batchnorm layers"]
+        assert refused is not None and refused.startswith("Layer 1 (SyncBatchNorm) of the backbone holds an nn.Sync")
+        assert "the 2 stages of a pipeline" in refused and "deferred_batch_norm=True" in refused
         # and a logger's graph, which Lightning traces on rank 0 alone (only the first stage's layers run there)
         refused = result["graph logging"]
         assert refused is not None and refused.startswith("TensorBoardLogger(log_graph=True) is not supported")

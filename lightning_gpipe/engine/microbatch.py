@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -14,6 +16,9 @@ from lightning_gpipe.engine.rng import mix64
 __all__ = [
     "check_chunks",
     "Outputs",
+    "fields",
+    "replaced_fields",
+    "is_container",
     "tensors",
     "map_leaves",
     "map_tensors",
@@ -31,15 +36,39 @@ __all__ = [
 Outputs = Any
 
 
+def fields(value: Any) -> Optional[list[str]]:
+    """The field names of a dataclass instance (a batch or an output type of the user's), else ``None``: Lightning
+    moves the tensors inside dataclasses to the device (``apply_to_collection``), so they count as tensors here too."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [f.name for f in dataclasses.fields(value)]
+    return None
+
+
+def replaced_fields(value: Any, changes: Mapping[str, Any]) -> Any:
+    """A shallow copy of the dataclass instance ``value`` with ``changes``, set as they are: neither ``__init__`` nor
+    ``__post_init__`` runs again (a field with ``init=False``, a frozen class), as ``dataclasses.replace`` would."""
+    copied = copy.copy(value)
+    for name, field in changes.items():
+        object.__setattr__(copied, name, field)
+    return copied
+
+
+def is_container(value: Any) -> bool:
+    """Whether :func:`tensors` looks inside ``value``: a dict (any Mapping), a list, a tuple or a dataclass."""
+    return isinstance(value, (Mapping, list, tuple)) or fields(value) is not None
+
+
 def tensors(batch: Any) -> list[Tensor]:
-    """The tensor leaves of a batch, in a fixed order (depth first, dict keys in insertion order)."""
+    """The tensor leaves of a batch, in a fixed order (depth first, dict keys in insertion order, dataclass fields in
+    declaration order)."""
     if isinstance(batch, Tensor):
         return [batch]
     if isinstance(batch, Mapping):
         return [t for v in batch.values() for t in tensors(v)]
     if isinstance(batch, (list, tuple)):
         return [t for v in batch for t in tensors(v)]
-    return []
+    names = fields(batch)
+    return [t for name in names for t in tensors(getattr(batch, name))] if names is not None else []
 
 
 def map_tensors(fn: Callable[[Tensor], Any], batch: Any) -> Any:
@@ -48,8 +77,8 @@ def map_tensors(fn: Callable[[Tensor], Any], batch: Any) -> Any:
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]) -> Any:
-    """``tree`` (tuples, lists, dicts and namedtuples, nested) with ``fn`` applied to every leaf that ``is_leaf``
-    picks; other leaves are kept as they are."""
+    """``tree`` (tuples, lists, dicts, namedtuples and dataclasses, nested) with ``fn`` applied to every leaf that
+    ``is_leaf`` picks; other leaves are kept as they are."""
     if is_leaf(tree):
         return fn(tree)
     if isinstance(tree, Mapping):
@@ -57,6 +86,9 @@ def map_leaves(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], boo
     if isinstance(tree, (list, tuple)):
         items = [map_leaves(fn, v, is_leaf) for v in tree]
         return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    names = fields(tree)
+    if names is not None:
+        return replaced_fields(tree, {name: map_leaves(fn, getattr(tree, name), is_leaf) for name in names})
     return tree
 
 
@@ -137,6 +169,10 @@ def split(batch: Any, sizes: list[int]) -> list[Any]:
         if hasattr(batch, "_fields"):  # namedtuple
             return [type(batch)(*row) for row in rows]
         return [type(batch)(row) for row in rows]
+    names = fields(batch)
+    if names is not None:
+        parts = {name: split(getattr(batch, name), sizes) for name in names}
+        return [replaced_fields(batch, {name: parts[name][i] for name in names}) for i in range(len(sizes))]
     return [batch] * len(sizes)  # a non-tensor leaf (a flag, a string) goes to every micro-batch unchanged
 
 
@@ -227,7 +263,7 @@ def _checksums(flats: Sequence[Tensor]) -> list[list[int]]:
 
 
 def fingerprint(batch: Any) -> int:
-    """A 63-bit digest of every tensor of ``batch``: its shape, dtype and bits, in order.
+    """A 63-bit digest of every tensor of ``batch``: its shape, dtype and bits, in order; and of its other leaves.
 
     Two stages that hold the same batch get the same number; a different sample, order, shape or
     dtype changes it. It reads every value once, so it costs about a pass over the batch. It also
@@ -244,7 +280,34 @@ def fingerprint(batch: Any) -> int:
     digest = 0
     for t, values in zip(every, _checksums([as_bits(t) for t in every])):
         digest = _mix(digest, t, values)
+    for value in _other_leaves(batch):  # a text batch's strings, a NumPy array: the stages must agree on them too
+        digest = mix64(digest ^ _leaf_digest(value))
     return (digest >> 1) or 1  # 0 means "not checked" in a message header
+
+
+def _other_leaves(batch: Any) -> list[Any]:
+    """The leaves of ``batch`` that are not tensors (strings, numbers, NumPy arrays), in :func:`tensors`' order."""
+    if isinstance(batch, Tensor):
+        return []
+    if isinstance(batch, Mapping):
+        return [v for value in batch.values() for v in _other_leaves(value)]
+    if isinstance(batch, (list, tuple)):
+        return [v for value in batch for v in _other_leaves(value)]
+    names = fields(batch)
+    if names is not None:
+        return [v for name in names for v in _other_leaves(getattr(batch, name))]
+    return [batch]
+
+
+def _leaf_digest(value: Any) -> int:
+    """A CRC of a non-tensor leaf: a number's or string's exact repr, a NumPy array's bytes, else its type's name (an
+    object's repr may hold its address, which differs between processes)."""
+    if isinstance(value, (str, bytes, bool, int, float, complex, type(None))):
+        return zlib.crc32(repr(value).encode("utf-8", "surrogatepass"))
+    tobytes = getattr(value, "tobytes", None)
+    if callable(tobytes) and hasattr(value, "dtype") and hasattr(value, "shape"):
+        return zlib.crc32(tobytes()) ^ zlib.crc32(f"{value.dtype}{value.shape}".encode())
+    return zlib.crc32(type(value).__qualname__.encode())
 
 
 def fingerprints(every: Sequence[Tensor]) -> list[int]:

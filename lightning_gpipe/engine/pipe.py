@@ -72,6 +72,30 @@ def refuse_lazy_layers(module: nn.Sequential) -> None:
             )
 
 
+def refuse_sync_batch_norm(module: nn.Sequential, stages: int) -> None:
+    """Raise if a layer holds an ``nn.SyncBatchNorm`` while the pipeline has several stages: naming it, and the fix.
+
+    SyncBatchNorm reduces its statistics over every process of its group (the whole job by default) at each training
+    forward. A pipeline's processes hold different layers: a stage's SyncBatchNorm would wait for stages that never
+    run it (a hang), or pair with another stage's and mix the statistics of two layers. DDP scripts make it with
+    ``nn.SyncBatchNorm.convert_sync_batchnorm(model)``; ``Trainer(sync_batchnorm=True)`` is refused apart.
+    """
+    if stages < 2:
+        return
+    for index, layer in enumerate(module):
+        found = next((name for name, m in layer.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
+        if found is not None:
+            where = f" (`{found}`)" if found else ""
+            raise ValueError(
+                f"Layer {index} ({type(layer).__name__}) of the backbone holds an nn.SyncBatchNorm{where}, which "
+                f"reduces its statistics over the processes of the job; the {stages} stages of a pipeline hold "
+                "different layers, so it would wait for stages that never run it, or mix two layers' statistics. Use "
+                "nn.BatchNorm (for statistics over the whole batch rather than each micro-batch, with "
+                "deferred_batch_norm=True in GPipeStrategy, or DeferredBatchNorm), instead of "
+                "nn.SyncBatchNorm.convert_sync_batchnorm."
+            )
+
+
 #: The hooks of a module's call (``register_forward_hook``, ``register_forward_pre_hook``,
 #: ``register_full_backward_hook`` and ``register_full_backward_pre_hook``). A pipeline stands in for its Sequential
 #: wherever that is called, so it runs the Sequential's: around the whole pipeline, on every rank, with the input and
@@ -184,6 +208,7 @@ class GPipe(nn.Module):
         if layout.world_size != world:
             raise ValueError(f"The layout is for {layout.world_size} processes but the job has {world}.")
         stages = layout.pipe_size
+        refuse_sync_batch_norm(module, stages)
         if balance is None:
             balance = balance_by_params(module, stages)
         self.balance = validate_balance(balance, len(module), stages)

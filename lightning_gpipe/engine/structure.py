@@ -1,8 +1,8 @@
 """What crosses a stage boundary: a stage output as its tensors and a :class:`Structure` that rebuilds it; pure.
 
 A Tensor or a flat tuple of tensors, what most layers return, takes a flag. Anything else, tensors nested in
-tuples, lists, dicts and namedtuples with constants beside them, travels as a :class:`Skeleton`: the output
-pickled with a placeholder for each tensor, small enough for a message header.
+tuples, lists, dicts, namedtuples and dataclasses with constants beside them, travels as a :class:`Skeleton`: the
+output pickled with a placeholder for each tensor, small enough for a message header.
 
 Written here rather than with ``torch.utils._pytree``: that module is private, its flat leaves mix the
 constants in with the tensors, and its serialized ``TreeSpec`` (``treespec_dumps``) refuses a namedtuple that
@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_gpipe.engine.microbatch import map_leaves, map_tensors, tensors
+from lightning_gpipe.engine.microbatch import fields, is_container, map_leaves, map_tensors, tensors
 
 __all__ = ["SLOT", "Skeleton", "Structure", "crosses", "flatten", "per_sample", "unflatten"]
 
@@ -56,7 +56,7 @@ class Skeleton:
     def constants(self) -> list[Any]:
         """The values beside the tensors (``None``, numbers, strings), in order."""
         found: list[Any] = []
-        is_constant = lambda value: value is not SLOT and not isinstance(value, (Mapping, list, tuple))  # noqa: E731
+        is_constant = lambda value: value is not SLOT and not is_container(value)  # noqa: E731
         map_leaves(found.append, pickle.loads(self.raw), is_constant)
         return found
 
@@ -74,10 +74,13 @@ def _odd_leaf(value: Any) -> Optional[str]:
     """The type name of the first leaf of ``value`` that is neither a tensor nor a constant, or ``None``."""
     if isinstance(value, (Tensor, *_CONSTANTS)):
         return None
+    names = fields(value)
     if isinstance(value, Mapping):
         parts: Any = value.values()
     elif isinstance(value, (list, tuple)):
         parts = value
+    elif names is not None:
+        parts = [getattr(value, name) for name in names]
     else:
         return type(value).__name__
     return next((odd for odd in map(_odd_leaf, parts) if odd is not None), None)
@@ -103,8 +106,8 @@ def flatten(outputs: Any) -> tuple[tuple[Tensor, ...], Structure]:
         kind = type(outputs).__name__
         what = kind if odd == kind else f"{kind} holding a {odd}" if odd else f"{kind} without a tensor"
         raise TypeError(
-            f"got a {what}; a stage must return Tensors, or tuples, lists or dicts of them (None, numbers and strings "
-            "may sit beside them)"
+            f"got a {what}; a stage must return Tensors, or tuples, lists, dicts or dataclasses of them (None, numbers "
+            "and strings may sit beside them)"
         )
     try:
         raw = pickle.dumps(map_tensors(lambda t: SLOT, outputs))
