@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable, Literal, NoReturn, Optional, Union
 
@@ -56,8 +57,14 @@ from lightning_gpipe.balancing.check import BalanceCheck, ComputeTally, compare
 from lightning_gpipe.balancing.plan.auto import AUTO, AutoChoice, choose
 from lightning_gpipe.balancing.plan.link import LinkModel, measure_link
 from lightning_gpipe.balancing.plan.search import searched_split
-from lightning_gpipe.balancing.profiling import COST_KINDS, LayerCosts, profile_layers
-from lightning_gpipe.balancing.sample import NoSampleError, backbone_sample
+from lightning_gpipe.balancing.profiling import COST_KINDS, LayerCosts, crossable_at, profile_layers
+from lightning_gpipe.balancing.sample import (
+    NoSampleError,
+    backbone_input,
+    backbone_sample,
+    described,
+    sample_micro_batch,
+)
 from lightning_gpipe.checkpointing import model_state, optim_state
 from lightning_gpipe.checkpointing.files import (
     atomic_write,
@@ -655,12 +662,16 @@ class GPipeStrategy(ParallelStrategy):
             module = self.lightning_module
             assert module is not None
             with isolated_rng(self.root_device, everything=True):
-                sample, where = backbone_sample(
-                    module, sequential, self.backbone, self.chunks, first_batch(module.trainer)
-                )
+                whole, origin = backbone_input(module, sequential, self.backbone, first_batch(module.trainer))
+                sample, where = described(sample_micro_batch(whole, self.chunks), origin)
                 costs = profile_layers(
                     sequential, sample, self.root_device, context=self.precision_plugin.forward_context
                 )
+                if microbatch.batch_size(sample) == 1 < microbatch.batch_size(whole):
+                    # micro-batches of one sample: what may leave a stage shows on two (see crossable_at)
+                    pair = microbatch.scatter(whole, (microbatch.batch_size(whole) + 1) // 2)[0]
+                    pair_flags = crossable_at(sequential, sample_micro_batch(pair, 1), self.root_device)
+                    costs = replace(costs, crossable=tuple(a and b for a, b in zip(costs.crossable, pair_flags)))
             rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
             return costs
 

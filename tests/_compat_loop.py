@@ -329,6 +329,15 @@ def lstm_in_backbone() -> Scenario:
     return Scenario(Base(nn.Sequential(_Sequence(), lstm, _LastStep(), nn.Tanh(), nn.Linear(24, CLASSES))))
 
 
+def lstm_single_samples() -> Scenario:
+    # the same with micro-batches of one sample (batches of 2, chunks=2): there the LSTM's h of shape (1, 1, H) looks
+    # like one sample, so the profile decides what may leave a stage on 2 samples, and the pipeline checks it on the
+    # first two micro-batches joined
+    lstm = nn.LSTM(FEATURES // 3, 8, batch_first=True)
+    backbone = nn.Sequential(_Sequence(), lstm, _LastStep(), nn.Tanh(), nn.Linear(24, CLASSES))
+    return Scenario(Base(backbone), train=DataLoader(_data(), batch_size=2))
+
+
 class GroupsByPosition(Base):
     """Selects layers by position in ``configure_optimizers``, as on one device: the first layer frozen by index, a
     slice at one rate, and a rate per later layer found by iterating over the backbone."""
@@ -380,6 +389,7 @@ SCENARIOS = {
         built_under_init_module,
         module_in_two_places,
         lstm_in_backbone,
+        lstm_single_samples,
         groups_by_position,
     )
 }

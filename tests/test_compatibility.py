@@ -116,6 +116,7 @@ def test_feature_trains_as_on_one_device(name, runs):
         "built_under_init_module",
         "module_in_two_places",
         "lstm_in_backbone",
+        "lstm_single_samples",
         "groups_by_position",
     ],
 )

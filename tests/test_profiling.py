@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe import balance
-from lightning_gpipe.balancing.profiling import LayerCosts, profile_layers, state_bytes
+from lightning_gpipe.balancing.profiling import LayerCosts, crossable_at, profile_layers, state_bytes
 from lightning_gpipe.balancing.sample import capture_input, sample_micro_batch
 
 
@@ -166,6 +166,15 @@ def test_outputs_that_cannot_leave_a_stage_are_profiled_and_marked_so_an_automat
     assert costs.crossable == (True, False, True, False, True, False, True, True, True)
     assert costs.output_bytes[1] == 4 * (3 * 5 * 4 + 2 * 3 * 4)  # every tensor of the nested output counted
     assert costs.time[1] > 0
+
+
+def test_what_may_leave_a_stage_is_decided_on_two_samples_where_one_cannot_show_it():
+    # an LSTM's (output, (h, c)): h is (1, 1, 4) for one sample, which looks per sample, and (1, 2, 4) for two
+    module = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(5), nn.LSTM(4, 4, batch_first=True), nn.Identity())
+    before = module[1].running_mean.clone()
+    assert crossable_at(module, torch.randn(1, 5, 2)) == (True, True, True, True)
+    assert crossable_at(module, torch.randn(2, 5, 2)) == (True, True, False, False)
+    assert torch.equal(module[1].running_mean, before) and all(m.training for m in module.modules())
 
 
 def test_bad_arguments():

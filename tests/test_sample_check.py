@@ -90,7 +90,7 @@ def test_a_layer_that_mixes_samples_on_purpose_runs_per_micro_batch_with_check_p
         GPipe(layers, check_per_sample="no")
 
 
-def test_nothing_is_checked_where_nothing_is_cut_and_a_micro_batch_of_one_waits_for_a_larger_one():
+def test_nothing_is_checked_where_nothing_is_cut_or_the_batch_has_one_sample():
     x = torch.randn(6, 4, 8)
     sequential = _sequence_first(False).eval()
     whole = GPipe(_sequence_first(False), chunks=1).eval()
@@ -98,7 +98,7 @@ def test_nothing_is_checked_where_nothing_is_cut_and_a_micro_batch_of_one_waits_
         torch.testing.assert_close(whole(x), sequential(x), atol=1e-6, rtol=0)
     assert not whole.runner.per_sample_checked
     pipe = GPipe(_sequence_first(False), chunks=2)
-    pipe(x[:2])  # two micro-batches of one sample: nothing to halve
+    pipe(x[:1])  # one sample: nothing to compare it with
     assert not pipe.runner.per_sample_checked
     with pytest.raises(MixedSamples, match="TransformerEncoderLayer"):
         pipe(x)
@@ -170,7 +170,7 @@ def test_per_sample_models_pass_under_bfloat16_autocast_and_probing_restores_mod
     indexed = list(enumerate(layers))
     x = torch.randn(16, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16), probing(layers):
-        assert find_mixing(indexed, x, {}, 16, lambda index: None) is None
+        assert find_mixing(indexed, x, {}, 16, lambda index: None).mixing is None
     norm = nn.BatchNorm1d(4)
     before = norm.running_mean
     with probing(norm):
@@ -187,3 +187,21 @@ def test_a_sequence_first_layer_on_stage_1_ends_every_rank_naming_the_layer_and_
     assert outcome.errors[1].startswith(refusal), outcome.errors[1]
     assert f"stage 1 (rank 1) failed: {refusal}" in outcome.errors[0], outcome.errors[0]
     assert run_processes(W.sequence_first_fit, 2, False, timeout=120).exitcodes == [0, 0]  # check_per_sample=False
+
+
+def test_micro_batches_of_one_sample_are_checked_on_the_first_two_joined_shapes_included():
+    # chunks = the batch size: nothing to replace within a micro-batch, and an LSTM's h of shape (1, 1, H) looks like
+    # one sample; joined into 2 samples, it shows (1, 2, H): not the batch in dim 0
+    x = torch.randn(4, 3, 8)
+    with pytest.raises(MixedSamples, match=r"first in layer 1 \(TransformerEncoderLayer\)"):
+        GPipe(_sequence_first(False), chunks=4)(x.transpose(0, 1))  # 3 positions: micro-batches of one position
+    torch.manual_seed(0)
+    raw = nn.Sequential(nn.Linear(8, 16), nn.LSTM(16, 16, batch_first=True))  # the backbone's output: (out, (h, c))
+    message = r"returned a tensor of shape \(1, 2, 16\) for a micro-batch of 2 samples \(checked on 2 samples joined"
+    with pytest.raises(ValueError, match=message):
+        GPipe(raw, chunks=4)(x)
+    sequential = _sequence_first(True).eval()
+    pipe = GPipe(_sequence_first(True), chunks=4).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), sequential(x), atol=1e-6, rtol=0)
+    assert pipe.runner.per_sample_checked

@@ -21,10 +21,11 @@ from torch import Tensor, nn
 from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.engine import microbatch, structure
 from lightning_gpipe.engine.rng import isolated_rng
+from lightning_gpipe.engine.sample_check import probing
 from lightning_gpipe.engine.skip import SkipKey, SkipTracker, find_skips, use_tracker
 from lightning_gpipe.engine.stage_input import enter
 
-__all__ = ["COST_KINDS", "LayerCosts", "profile_layers", "state_bytes"]
+__all__ = ["COST_KINDS", "LayerCosts", "crossable_at", "profile_layers", "state_bytes"]
 
 #: The measured costs a split can balance, besides an explicit list.
 COST_KINDS = ("params", "time", "memory")
@@ -190,6 +191,33 @@ def profile_layers(
         backward_working=tuple(workings),
         crossable=tuple(crossable),
     )
+
+
+def crossable_at(
+    module: nn.Sequential, sample: Any, device: Optional[Union[torch.device, str]] = None
+) -> tuple[bool, ...]:
+    """Whether each layer's output for ``sample`` can leave a stage (:func:`~lightning_gpipe.engine.structure.crosses`),
+    from one forward without a graph, in eval mode, each layer moved to ``device`` in turn; the buffers are left as
+    they were.
+
+    :func:`profile_layers` decides this on the micro-batch it times. Where that has one sample, a tensor of one sample
+    cannot show which dim holds the batch (an LSTM's ``h`` of shape ``(1, 1, H)``): give this a sample of 2.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    size = microbatch.batch_size(sample)
+    x = microbatch.map_tensors(lambda t: t.detach().to(device, copy=True), sample)
+    flags = []
+    with isolated_rng(device), probing(module), use_tracker(SkipTracker()):
+        for layer in module:
+            home = _device_of(layer)
+            layer.to(device)  # one layer on the device at a time, as profile_layers runs them
+            try:
+                x = layer(x)
+            finally:
+                if home is not None:
+                    layer.to(home)
+            flags.append(structure.crosses(x, size))
+    return tuple(flags)
 
 
 def trimmed_mean(values: list[float], cut: float = 0.2) -> float:

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.rng import isolated_rng
 
-__all__ = ["NoSampleError", "backbone_sample", "capture_input", "sample_micro_batch"]
+__all__ = ["NoSampleError", "backbone_input", "backbone_sample", "capture_input", "described", "sample_micro_batch"]
 
 
 def sample_micro_batch(batch: Any, chunks: int) -> Any:
@@ -123,7 +123,16 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
 def backbone_sample(
     module: Any, backbone: nn.Module, name: str, chunks: int, first_batch: Optional[tuple[Any, str, str]]
 ) -> tuple[Any, str]:
-    """One micro-batch of what ``module`` feeds its ``backbone`` (the attribute ``name``), and where it came from.
+    """One micro-batch of what ``module`` feeds its ``backbone`` (the attribute ``name``), and where it came from
+    (see :func:`backbone_input`)."""
+    whole, origin = backbone_input(module, backbone, name, first_batch)
+    return described(sample_micro_batch(whole, chunks), origin)
+
+
+def backbone_input(
+    module: Any, backbone: nn.Module, name: str, first_batch: Optional[tuple[Any, str, str]]
+) -> tuple[Any, str]:
+    """What ``module`` feeds its ``backbone`` (the attribute ``name``) for a whole batch, and where it came from.
 
     First choice: ``first_batch``, the first batch of the running stage's dataloader with the step
     that takes it and the loader's name (the strategy finds it), run through the batch-transfer
@@ -140,7 +149,7 @@ def backbone_sample(
         batch = module.on_after_batch_transfer(module.on_before_batch_transfer(batch, 0), 0)
         try:
             x = capture_input(backbone, lambda: getattr(module, step)(batch, 0), owner=module)
-            return _described(sample_micro_batch(x, chunks), f"the first batch of the {loader}")
+            return x, f"the first batch of the {loader}"
         except Exception as error:
             tried.append(
                 f"`{step}` on the first batch of the {loader} did not call `self.{name}` "
@@ -158,7 +167,7 @@ def backbone_sample(
 
         try:
             x = capture_input(backbone, forward, owner=module)
-            return _described(sample_micro_batch(x, chunks), "`example_input_array`")
+            return x, "`example_input_array`"
         except Exception as error:
             tried.append(f"`forward(example_input_array)` did not call `self.{name}` ({type(error).__name__}: {error})")
     raise NoSampleError(
@@ -169,5 +178,6 @@ def backbone_sample(
     )
 
 
-def _described(sample: Any, origin: str) -> tuple[Any, str]:
+def described(sample: Any, origin: str) -> tuple[Any, str]:
+    """``sample`` and what it is: its size and ``origin``, for the log."""
     return sample, f"a micro-batch of {microbatch.batch_size(sample)} samples from {origin}"

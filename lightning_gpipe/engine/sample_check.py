@@ -42,7 +42,7 @@ from lightning_gpipe.engine.microbatch import map_tensors, tensors
 from lightning_gpipe.engine.skip import SkipTracker, use_tracker
 from lightning_gpipe.engine.structure import per_sample
 
-__all__ = ["Mixing", "MixedSamples", "find_mixing", "mismatch", "probing", "replaced"]
+__all__ = ["Mixing", "MixedSamples", "Probe", "find_mixing", "joined", "mismatch", "probing", "replaced"]
 
 #: Relative difference (Frobenius norm of the kept rows) above which a run counts as changed. Per-sample layers on
 #: equal shapes differ by rounding at most (a memory alignment's code path in a BLAS: 1e-7 in float32, one bfloat16
@@ -63,6 +63,36 @@ class Mixing:
     tolerance: float
     index: int
     layer: nn.Module
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What :func:`find_mixing` saw: the mixing it found, if any, and the stage's output and skips for the micro-batch
+    as it is (for a check of their shapes where the micro-batches have one sample)."""
+
+    mixing: Optional[Mixing]
+    output: Any
+    leaving: Any
+
+
+def joined(first: Any, second: Any) -> Optional[Any]:
+    """Two micro-batches of one sample each as one of two samples; ``None`` where their forms differ.
+
+    With micro-batches of one sample nothing can be replaced, and a tensor of one sample cannot show which of its
+    dims holds the batch (an LSTM's ``h`` of shape ``(1, 1, H)`` looks like one sample). Two of them joined can.
+    """
+    theirs = tensors(second)
+    if len(tensors(first)) != len(theirs):
+        return None
+    pairs = iter(theirs)
+
+    def join(t: Tensor) -> Tensor:
+        u = next(pairs)
+        if per_sample(t, 1) and per_sample(u, 1) and t.shape == u.shape and t.dtype == u.dtype:
+            return torch.cat([t.detach(), u.detach()])
+        return t.detach().clone()
+
+    return map_tensors(join, first)
 
 
 def replaced(x: Any, size: int, keep_first: bool) -> Any:
@@ -132,9 +162,9 @@ def find_mixing(
     size: int,
     seed_layer: Callable[[int], None],
     leaving: Callable[[SkipTracker], Any] = lambda tracker: (),
-) -> Optional[Mixing]:
+) -> Probe:
     """Whether ``layers`` mix the samples of ``x``, a micro-batch of ``size`` (2 or more) samples, with the skip
-    tensors ``received`` by key: ``None``, or what changed. Call it inside :func:`probing`. ``seed_layer(index)``
+    tensors ``received`` by key (:attr:`Probe.mixing`). Call it inside :func:`probing`. ``seed_layer(index)``
     seeds a layer's random stream, the same in every run, and each run starts from the layer's buffers as they were;
     ``leaving(tracker)`` are the skips the stage sends."""
     runs = [
@@ -159,8 +189,8 @@ def find_mixing(
             if difference > tolerance:
                 first_changed = (index, layer)
         runs = [(output, tracker) for output, (_, tracker) in zip(outputs, runs)]
-    difference, tolerance = _changed([(value, leaving(tracker)) for value, tracker in runs], size)
-    if difference <= tolerance:
-        return None
+    ends = [(value, leaving(tracker)) for value, tracker in runs]
+    difference, tolerance = _changed(ends, size)
     index, layer = first_changed or layers[-1]
-    return Mixing(difference, tolerance, index, layer)
+    mixing = Mixing(difference, tolerance, index, layer) if difference > tolerance else None
+    return Probe(mixing, *ends[0])

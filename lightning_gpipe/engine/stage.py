@@ -27,7 +27,7 @@ from lightning_gpipe.engine.lockstep import check_message
 from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
-from lightning_gpipe.engine.sample_check import MixedSamples, find_mixing, probing
+from lightning_gpipe.engine.sample_check import MixedSamples, find_mixing, joined, probing
 from lightning_gpipe.engine.schedule import fill_drain
 from lightning_gpipe.engine.selective import back_into_inputs, fills_every_leaf
 from lightning_gpipe.engine.skip import SkipTracker, StageSkips, use_tracker
@@ -97,6 +97,7 @@ class StageRunner:
         #: (:mod:`lightning_gpipe.engine.sample_check`); ``per_sample_checked`` once it ran.
         self.check_per_sample = True
         self.per_sample_checked = False
+        self._held: Any = None  # micro-batch 0's input and skips, where micro-batches of one sample are checked joined
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
@@ -232,8 +233,8 @@ class StageRunner:
                     x = unflatten(values, message.structure)
                 skip_tag = Tag("skip", call, i, run.label, fingerprint)
                 received, skip_in_grad = self.skips.receive(partial(self._recv_stage, skip_tag), train)
-                if i == 0 and self._sample_check_due(sizes):
-                    self._check_per_sample(x, received, sizes[0], call)
+                if i < 2 and self._sample_check_due(sizes):
+                    self._check_per_sample(x, self.skips.keyed(received), sizes, i, call)
                 recompute = train and checkpointed(self.checkpoint, i, count)
                 writes: AbstractContextManager[dict[int, Tensor]] = (
                     self._writes.before() if recompute else nullcontext({})  # what the recompute must replay
@@ -275,17 +276,59 @@ class StageRunner:
         return self._share(outputs, structures, Tag("output", call, -1, run.label))
 
     def _sample_check_due(self, sizes: list[int]) -> bool:
-        """Whether this call checks the layers per sample: the first that cuts the batch, with 2 samples or more in
-        its first micro-batch (with ``chunks=1`` nothing is cut, so anything goes)."""
-        return self.check_per_sample and not self.per_sample_checked and self.chunks > 1 and sizes[0] > 1
+        """Whether this call checks the layers per sample: the first that cuts the batch (with ``chunks=1`` nothing is
+        cut, so anything goes), on its first micro-batch, or on its first two joined where they have 1 sample each."""
+        return self.check_per_sample and not self.per_sample_checked and self.chunks > 1 and sum(sizes) > 1
 
-    def _check_per_sample(self, x: Any, received: Bundles, size: int, call: int) -> None:
-        """Refuses layers that mix the samples of a micro-batch (see :mod:`~lightning_gpipe.engine.sample_check`)."""
+    def _check_per_sample(self, x: Any, received: dict[Any, Tensor], sizes: list[int], i: int, call: int) -> None:
+        """Refuses layers that mix the samples of a micro-batch (see :mod:`~lightning_gpipe.engine.sample_check`).
+
+        Micro-batches of one sample (``chunks`` at least the batch size) are checked on the first two joined: the
+        input of micro-batch 0 waits for micro-batch 1's. There the outputs' shapes are checked too, which one sample
+        cannot show.
+        """
+        if sizes[0] > 1:
+            if i == 0:
+                self._probe(x, received, sizes[0], call)
+            return
+        if i == 0:
+            self._held = (microbatch.map_tensors(lambda t: t.detach().clone(), x), dict(received))
+            return
+        first, first_received = self._held
+        self._held = None
+        pair, pair_received = joined(first, x), joined(first_received, received)
+        if pair is None or pair_received is None:  # forms that differ between micro-batches: nothing to compare
+            self.per_sample_checked = True
+            return
+        self._probe(pair, pair_received, 2, call, joined_from_single_samples=True)
+
+    def _probe(
+        self, x: Any, received: dict[Any, Tensor], size: int, call: int, joined_from_single_samples: bool = False
+    ) -> None:
         self.per_sample_checked = True
         seed = lambda index: seed_layer(layer_seed(self.seed, call, 0, index), self.device)  # noqa: E731
         leaving = lambda tracker: self.skips.outgoing(tracker, self._describe_layer)  # noqa: E731
         with isolated_rng(self.device), probing(self._modules):
-            found = find_mixing(self.layers, x, self.skips.keyed(received), size, seed, leaving)
+            try:
+                probe = find_mixing(self.layers, x, received, size, seed, leaving)
+            except Exception as error:
+                if not joined_from_single_samples:
+                    raise
+                raise RuntimeError(
+                    f"Stage {self.stage}'s per-sample check ran its layers on two micro-batches of one sample joined "
+                    f"into one of two, and they failed with {type(error).__name__}: {error}. Every layer must take "
+                    "any number of samples (a short last batch, a larger validation batch); if these need one "
+                    "sample each, pass check_per_sample=False to GPipeStrategy or GPipe."
+                ) from error
+        if joined_from_single_samples:
+            note = (
+                " (checked on 2 samples joined from micro-batches of 1, where a tensor of 1 sample cannot show which "
+                "dim holds the batch)"
+            )
+            self._check_batch_dim(tuple(microbatch.tensors(probe.output)), size, note=note)
+            for dst, values in probe.leaving.items():
+                self._check_batch_dim(tuple(values), size, skip_to=dst, note=note)
+        found = probe.mixing
         if found is None:
             return
         cut = size // 2
@@ -303,7 +346,7 @@ class StageRunner:
             "check_per_sample=False to GPipeStrategy or GPipe."
         )
 
-    def _check_batch_dim(self, y: tuple[Tensor, ...], size: int, skip_to: Optional[int] = None) -> None:
+    def _check_batch_dim(self, y: tuple[Tensor, ...], size: int, skip_to: Optional[int] = None, note: str = "") -> None:
         """Every tensor that leaves the stage has the micro-batch in dim 0 (shapes only: cheap).
 
         The pipeline cuts the batch into micro-batches and joins the outputs along dim 0. A tensor that
@@ -317,9 +360,9 @@ class StageRunner:
             if skip_to is not None:
                 raise ValueError(
                     f"A skip that stage {self.stage} stashes for stage {skip_to} has shape {tuple(t.shape)} for a "
-                    f"micro-batch of {size} samples. A skip between stages travels per micro-batch, so it must keep "
-                    "the batch in dim 0: stash per-sample values, or move the stage boundary with `balance` so that "
-                    "the stash and its pop land on one stage."
+                    f"micro-batch of {size} samples{note}. A skip between stages travels per micro-batch, so it must "
+                    "keep the batch in dim 0: stash per-sample values, or move the stage boundary with `balance` so "
+                    "that the stash and its pop land on one stage."
                 )
             if self.is_last:
                 where = "as the backbone's output, where the micro-batch outputs are joined along dim 0"
@@ -330,9 +373,9 @@ class StageRunner:
                 )
             raise ValueError(
                 f"Layer {index} ({type(layer).__name__}), the last of stage {self.stage}, returned a tensor of shape "
-                f"{tuple(t.shape)} for a micro-batch of {size} samples {where}. Every tensor that leaves a stage must "
-                "keep the batch in dim 0: return per-sample values, or move the stage boundary with `balance` so that "
-                "this tensor stays inside a stage."
+                f"{tuple(t.shape)} for a micro-batch of {size} samples{note} {where}. Every tensor that leaves a stage "
+                "must keep the batch in dim 0: return per-sample values, or move the stage boundary with `balance` so "
+                "that this tensor stays inside a stage."
             )
 
     def _share(
