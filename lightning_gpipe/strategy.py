@@ -667,10 +667,11 @@ class GPipeStrategy(ParallelStrategy):
                 costs = profile_layers(
                     sequential, sample, self.root_device, context=self.precision_plugin.forward_context
                 )
-                if microbatch.batch_size(sample) == 1 < microbatch.batch_size(whole):
+                samples = microbatch.batch_size(whole)
+                if microbatch.batch_size(sample) == 1 < samples:
                     # micro-batches of one sample: what may leave a stage shows on two (see crossable_at)
-                    pair = microbatch.scatter(whole, (microbatch.batch_size(whole) + 1) // 2)[0]
-                    pair_flags = crossable_at(sequential, sample_micro_batch(pair, 1), self.root_device)
+                    pair = sample_micro_batch(whole, (samples + 1) // 2)  # the first 2 samples
+                    pair_flags = crossable_at(sequential, pair, self.root_device)
                     costs = replace(costs, crossable=tuple(a and b for a, b in zip(costs.crossable, pair_flags)))
             rank_zero_info(f"Profiled `{self.backbone}` layer by layer on {self.root_device} with {where}.")
             return costs

@@ -19,6 +19,7 @@ __all__ = [
     "fields",
     "replaced_fields",
     "is_container",
+    "leaves",
     "tensors",
     "map_leaves",
     "map_tensors",
@@ -58,22 +59,31 @@ def is_container(value: Any) -> bool:
     return isinstance(value, (Mapping, list, tuple)) or fields(value) is not None
 
 
+def leaves(tree: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
+    """The leaves of ``tree`` that ``is_leaf`` picks, in a fixed order: depth first through tuples, lists, dicts
+    (keys in insertion order) and dataclasses (fields in declaration order), as :func:`map_leaves` visits them."""
+    if is_leaf(tree):
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [leaf for value in tree.values() for leaf in leaves(value, is_leaf)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for value in tree for leaf in leaves(value, is_leaf)]
+    names = fields(tree)
+    return [leaf for name in names for leaf in leaves(getattr(tree, name), is_leaf)] if names is not None else []
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, Tensor)
+
+
 def tensors(batch: Any) -> list[Tensor]:
-    """The tensor leaves of a batch, in a fixed order (depth first, dict keys in insertion order, dataclass fields in
-    declaration order)."""
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in tensors(v)]
-    names = fields(batch)
-    return [t for name in names for t in tensors(getattr(batch, name))] if names is not None else []
+    """The tensor leaves of a batch, in :func:`leaves`' order."""
+    return leaves(batch, _is_tensor)
 
 
 def map_tensors(fn: Callable[[Tensor], Any], batch: Any) -> Any:
     """``batch`` with ``fn`` applied to every tensor leaf; the structure is kept."""
-    return map_leaves(fn, batch, lambda value: isinstance(value, Tensor))
+    return map_leaves(fn, batch, _is_tensor)
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool]) -> Any:
@@ -280,23 +290,10 @@ def fingerprint(batch: Any) -> int:
     digest = 0
     for t, values in zip(every, _checksums([as_bits(t) for t in every])):
         digest = _mix(digest, t, values)
-    for value in _other_leaves(batch):  # a text batch's strings, a NumPy array: the stages must agree on them too
+    others = leaves(batch, lambda value: not isinstance(value, Tensor) and not is_container(value))
+    for value in others:  # a text batch's strings, a NumPy array: the stages must agree on them too
         digest = mix64(digest ^ _leaf_digest(value))
     return (digest >> 1) or 1  # 0 means "not checked" in a message header
-
-
-def _other_leaves(batch: Any) -> list[Any]:
-    """The leaves of ``batch`` that are not tensors (strings, numbers, NumPy arrays), in :func:`tensors`' order."""
-    if isinstance(batch, Tensor):
-        return []
-    if isinstance(batch, Mapping):
-        return [v for value in batch.values() for v in _other_leaves(value)]
-    if isinstance(batch, (list, tuple)):
-        return [v for value in batch for v in _other_leaves(value)]
-    names = fields(batch)
-    if names is not None:
-        return [v for name in names for v in _other_leaves(getattr(batch, name))]
-    return [batch]
 
 
 def _leaf_digest(value: Any) -> int:

@@ -55,6 +55,24 @@ _DEFAULT_TOLERANCE = 1e-3
 class MixedSamples(ValueError):
     """A stage's output for some samples of a micro-batch changed when the others did."""
 
+    @classmethod
+    def at(cls, stage: int, found: Mixing, size: int) -> MixedSamples:
+        """The error for stage ``stage``, where :func:`find_mixing` found ``found`` on a micro-batch of ``size``."""
+        cut = size // 2
+        return cls(
+            f"Stage {stage} mixes the samples along dim 0, first in layer {found.index} "
+            f"({type(found.layer).__name__}): its output for some samples of a micro-batch of {size} changed when the "
+            f"other samples changed (the last {size - cut} replaced by copies of the first {cut}, then the other way; "
+            f"relative difference {found.difference:.2g}, tolerance {found.tolerance:.0e}; checked once, in eval "
+            "mode). The pipeline cuts every batch into micro-batches along dim 0 and runs them apart, so this model "
+            "would learn something else than on one device. Most often the layout is sequence-first: "
+            "nn.TransformerEncoderLayer, nn.MultiheadAttention, nn.LSTM or nn.GRU with batch_first=False, given "
+            "(sequence, batch, ...), where the cut falls across the sequence. Build them with batch_first=True and "
+            "pass (batch, sequence, ...). A layer that mixes the samples on purpose (a statistic over the batch) "
+            "equals one device only with chunks=1; to run it per micro-batch anyway, as GPipe runs BatchNorm, pass "
+            "check_per_sample=False to GPipeStrategy or GPipe."
+        )
+
 
 @dataclass(frozen=True)
 class Mixing:

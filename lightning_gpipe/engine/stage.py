@@ -292,7 +292,7 @@ class StageRunner:
                 self._probe(x, received, sizes[0], call)
             return
         if i == 0:
-            self._held = (microbatch.map_tensors(lambda t: t.detach().clone(), x), dict(received))
+            self._held = microbatch.map_tensors(lambda t: t.detach().clone(), (x, received))  # before its forward
             return
         first, first_received = self._held
         self._held = None
@@ -305,6 +305,7 @@ class StageRunner:
     def _probe(
         self, x: Any, received: dict[Any, Tensor], size: int, call: int, joined_from_single_samples: bool = False
     ) -> None:
+        """Runs the check on micro-batch ``x`` of ``size`` samples (see :func:`~.sample_check.find_mixing`)."""
         self.per_sample_checked = True
         seed = lambda index: seed_layer(layer_seed(self.seed, call, 0, index), self.device)  # noqa: E731
         leaving = lambda tracker: self.skips.outgoing(tracker, self._describe_layer)  # noqa: E731
@@ -328,23 +329,8 @@ class StageRunner:
             self._check_batch_dim(tuple(microbatch.tensors(probe.output)), size, note=note)
             for dst, values in probe.leaving.items():
                 self._check_batch_dim(tuple(values), size, skip_to=dst, note=note)
-        found = probe.mixing
-        if found is None:
-            return
-        cut = size // 2
-        raise MixedSamples(
-            f"Stage {self.stage} mixes the samples along dim 0, first in layer {found.index} "
-            f"({type(found.layer).__name__}): its output for some samples of a micro-batch of {size} changed when the "
-            f"other samples changed (the last {size - cut} replaced by copies of the first {cut}, then the other way; "
-            f"relative difference {found.difference:.2g}, tolerance {found.tolerance:.0e}; checked once, in eval "
-            "mode). The pipeline cuts every batch into micro-batches along dim 0 and runs them apart, so this model "
-            "would learn something else than on one device. Most often the layout is sequence-first: "
-            "nn.TransformerEncoderLayer, nn.MultiheadAttention, nn.LSTM or nn.GRU with batch_first=False, given "
-            "(sequence, batch, ...), where the cut falls across the sequence. Build them with batch_first=True and "
-            "pass (batch, sequence, ...). A layer that mixes the samples on purpose (a statistic over the batch) "
-            "equals one device only with chunks=1; to run it per micro-batch anyway, as GPipe runs BatchNorm, pass "
-            "check_per_sample=False to GPipeStrategy or GPipe."
-        )
+        if probe.mixing is not None:
+            raise MixedSamples.at(self.stage, probe.mixing, size)
 
     def _check_batch_dim(self, y: tuple[Tensor, ...], size: int, skip_to: Optional[int] = None, note: str = "") -> None:
         """Every tensor that leaves the stage has the micro-batch in dim 0 (shapes only: cheap).

@@ -12,14 +12,14 @@ was not registered for it (measured, torch 2.14), where a user's layer may retur
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_gpipe.engine.microbatch import fields, is_container, map_leaves, map_tensors, tensors
+from lightning_gpipe.engine.microbatch import is_container, leaves, map_leaves, map_tensors, tensors
 
 __all__ = ["SLOT", "Skeleton", "Structure", "crosses", "flatten", "per_sample", "unflatten"]
 
@@ -55,10 +55,7 @@ class Skeleton:
 
     def constants(self) -> list[Any]:
         """The values beside the tensors (``None``, numbers, strings), in order."""
-        found: list[Any] = []
-        is_constant = lambda value: value is not SLOT and not is_container(value)  # noqa: E731
-        map_leaves(found.append, pickle.loads(self.raw), is_constant)
-        return found
+        return leaves(pickle.loads(self.raw), lambda value: value is not SLOT and not is_container(value))
 
     def fill(self, values: Sequence[Tensor]) -> Any:
         """The output with ``values`` in place of its tensors, in the order of :func:`tensors`."""
@@ -72,18 +69,8 @@ Structure = Union[bool, Skeleton]
 
 def _odd_leaf(value: Any) -> Optional[str]:
     """The type name of the first leaf of ``value`` that is neither a tensor nor a constant, or ``None``."""
-    if isinstance(value, (Tensor, *_CONSTANTS)):
-        return None
-    names = fields(value)
-    if isinstance(value, Mapping):
-        parts: Any = value.values()
-    elif isinstance(value, (list, tuple)):
-        parts = value
-    elif names is not None:
-        parts = [getattr(value, name) for name in names]
-    else:
-        return type(value).__name__
-    return next((odd for odd in map(_odd_leaf, parts) if odd is not None), None)
+    odd = leaves(value, lambda leaf: not isinstance(leaf, (Tensor, *_CONSTANTS)) and not is_container(leaf))
+    return type(odd[0]).__name__ if odd else None
 
 
 def flatten(outputs: Any) -> tuple[tuple[Tensor, ...], Structure]:
