@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import BatchSizeFinder, ModelPruning
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gpipe.engine.optimizers import needs_whole_gradient
 from lightning_gpipe.engine.partition import parameter_costs, stage_bounds
@@ -23,6 +24,7 @@ from lightning_gpipe.engine.topology import PipeLayout
 __all__ = [
     "callbacks",
     "graph_logging",
+    "stage_sharded_sampler",
     "sync_batchnorm",
     "empty_everywhere",
     "fp16_scaler",
@@ -189,3 +191,29 @@ def empty_everywhere(optimizers: list[Optimizer], layouts: list[Any], emptied: A
                 f"{type(optimizer).__name__} from no parameters, on every stage of the pipeline (one "
                 "device raises this too). Give it parameters that require grad."
             )
+
+
+def stage_sharded_sampler(loader: object, replicas: dict[str, Any], processes: int) -> None:
+    """A ``DistributedSampler`` built by user code that shards over the job's processes rather than the replicas."""
+    # Lightning leaves a DistributedSampler it finds in a DataLoader alone. One made with the defaults (a DDP
+    # script's `DistributedSampler(dataset)`) reads its rank and size from the process group, which counts every
+    # stage: each stage would get other samples, the backbone would learn from the first stage's inputs and the loss
+    # from the last stage's targets. Training batches would stop on the batch check at the first step; validation and
+    # prediction batches are not checked, so this refuses every loader before its first batch.
+    if not isinstance(loader, DataLoader):
+        return
+    sampler = loader.sampler
+    if not isinstance(sampler, DistributedSampler) and loader.batch_sampler is not None:
+        sampler = getattr(loader.batch_sampler, "sampler", sampler)
+    if not isinstance(sampler, DistributedSampler):
+        return
+    wanted = (replicas["num_replicas"], replicas["rank"])
+    if (sampler.num_replicas, sampler.rank) != wanted:
+        raise ValueError(
+            f"A DataLoader's sampler is a DistributedSampler over num_replicas={sampler.num_replicas}, "
+            f"rank={sampler.rank}, but under the gpipe strategy the {processes} processes are stages of pipelines, "
+            f"and only the data-parallel replicas may get different samples (here num_replicas={wanted[0]}, "
+            f"rank={wanted[1]}): the stages of one pipeline must read the same batches. Leave the sampler to "
+            "Lightning (a plain or shuffled DataLoader; Lightning adds the sampler by replica), or build it with "
+            "`DistributedSampler(dataset, **trainer.strategy.distributed_sampler_kwargs)`."
+        )

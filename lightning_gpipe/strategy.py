@@ -107,7 +107,13 @@ from lightning_gpipe.engine.partition import (
     split_table,
     validate_balance,
 )
-from lightning_gpipe.engine.pipe import DEADLOCK_MARGIN, GPipe, refuse_lazy_layers, refuse_sync_batch_norm
+from lightning_gpipe.engine.pipe import (
+    DEADLOCK_MARGIN,
+    GPipe,
+    refuse_lazy_layers,
+    refuse_own_forward,
+    refuse_sync_batch_norm,
+)
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
 from lightning_gpipe.engine.split_weights import SplitWeights, judge
@@ -510,6 +516,7 @@ class GPipeStrategy(ParallelStrategy):
                 "Sequential (each runs only its own layers), so it would be silently dropped. Instead, "
                 f"{compile_layers}."
             )
+        refuse_own_forward(sequential, where)  # the profile would time the layers as a chain
         refuse_lazy_layers(sequential)  # before the profile, which would meet them first
         layout = self.layout
         refuse_sync_batch_norm(sequential, layout.pipe_size)  # before the profile too: it would wait in a collective
@@ -1213,6 +1220,7 @@ class GPipeStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Seed every loader's workers by replica; make the training loader resumable mid-epoch (see
         :mod:`lightning_gpipe.checkpointing.resumable`)."""
+        refusals.stage_sharded_sampler(dataloader, self.distributed_sampler_kwargs, self.world_size)
         self._seed_workers_by_replica(dataloader)
         trainer = self._trainer()
         if trainer is None or not trainer.training or not isinstance(dataloader, torch.utils.data.DataLoader):

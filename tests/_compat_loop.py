@@ -8,6 +8,7 @@ loop limits counted in steps, frozen layers, a step that skips the backbone. The
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
@@ -357,6 +358,45 @@ def groups_by_position() -> Scenario:
     return Scenario(GroupsByPosition())
 
 
+class NamedLayers(Base):
+    """A backbone built from an ``OrderedDict``: param groups chosen by parameter name and by attribute, as one device
+    selects them; the names every rank sees and the keys of the checkpoint it writes are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Sequential(
+                OrderedDict(
+                    embed=nn.Linear(FEATURES, 12),
+                    act=nn.Tanh(),
+                    hidden=nn.Linear(12, 12),
+                    act2=nn.Tanh(),
+                    head=nn.Linear(12, CLASSES),
+                )
+            )
+        )
+
+    def configure_optimizers(self) -> Any:
+        head = list(self.backbone.head.parameters())  # another stage's layer reads here as its meta copy
+        slow = [p for n, p in self.named_parameters() if n.startswith("backbone.embed.")]
+        rest = [p for n, p in self.named_parameters() if not n.startswith(("backbone.embed.", "backbone.head."))]
+        groups = [{"params": slow, "lr": 0.01}, {"params": head, "lr": 0.3}, {"params": rest}]
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+    def on_train_start(self) -> None:
+        self.record["names"] = [n for n, _ in self.named_parameters()]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.trainer.is_global_zero:
+            self.record["saved"] = list(checkpoint["state_dict"])
+
+
+def named_layers() -> Scenario:
+    # each stage registered its layers as "0", "1", ...: a group selected by name was empty on every stage, and those
+    # parameters trained at the other group's rate (1.6e-2 off one device, silently); `backbone.head` was an
+    # AttributeError, and a checkpoint's keys were not the one-device keys
+    return Scenario(NamedLayers(), trainer={"enable_checkpointing": True})
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -391,5 +431,6 @@ SCENARIOS = {
         lstm_in_backbone,
         lstm_single_samples,
         groups_by_position,
+        named_layers,
     )
 }

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import _models as M
 import lightning as L
 import torch
+from torch import nn
 
 from lightning_gpipe import GPipeStrategy
 
@@ -18,9 +21,12 @@ class IndexedInHook(M.Net):
     def __init__(self, select: str) -> None:
         super().__init__()
         self.select = select
+        if select == "name":  # the layers named in an OrderedDict: `backbone.layer0` as on one device
+            self.backbone = nn.Sequential(OrderedDict((f"layer{i}", layer) for i, layer in enumerate(self.backbone)))
 
     def on_train_start(self) -> None:
-        first = self.backbone[0] if self.select == "index" else self.backbone[:2]
+        selected = {"index": lambda: self.backbone[0], "slice": lambda: self.backbone[:2]}
+        first = selected.get(self.select, lambda: self.backbone.layer0)()
         first.requires_grad_(False)
 
 

@@ -139,6 +139,14 @@ def test_a_backward_that_asks_for_some_gradients_only_gives_them_as_on_one_devic
     _check(name, runs)
 
 
+def test_layers_named_in_an_ordered_dict_keep_their_names_on_every_stage(runs):
+    want, ranks = _check("named_layers", runs)  # param groups chosen by name and by attribute train as on one device
+    names = want["record"]["names"]
+    assert names[0] == "backbone.embed.weight" and names[-1] == "backbone.head.bias"
+    assert ranks[0]["record"]["names"] + ranks[1]["record"]["names"] == names  # each stage its own, by the same names
+    assert ranks[0]["record"]["saved"] == want["record"]["saved"]  # the checkpoint under the one-device keys
+
+
 def test_device_stats_monitor_logs_the_one_device_keys_on_rank_zero(runs):
     want, ranks = _check("device_stats", runs)
     keys = lambda rows: sorted({k for row in rows for k in row})  # noqa: E731

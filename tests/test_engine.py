@@ -1,6 +1,7 @@
 """The engine on its own: plain PyTorch, no Lightning, real processes over gloo."""
 
 import types
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from _engine_workers import plain_pipeline, reference
 from torch import nn
 
 from lightning_gpipe import GPipe
+from lightning_gpipe.engine.stage_copy import StageCopy
+from lightning_gpipe.engine.tied import find_ties
 from lightning_gpipe.launch import run_ok
 
 
@@ -182,6 +185,28 @@ def test_a_pipeline_of_one_stage_iterates_like_its_sequential():
     sequential = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
     layers = list(sequential)
     assert list(GPipe(sequential)) == layers and len(GPipe(nn.Sequential(nn.Tanh(), nn.ReLU()))) == 2
+
+
+def _named() -> nn.Sequential:
+    return nn.Sequential(OrderedDict(embed=nn.Linear(4, 4), act=nn.Tanh(), head=nn.Linear(4, 4)))
+
+
+def test_layers_named_in_an_ordered_dict_keep_their_names_in_the_pipeline_and_its_stage_copies():
+    # a stage registered its layers as "0", "1", ...: parameters selected by name were missing on every stage
+    sequential = _named()
+    names, keys = [n for n, _ in sequential.named_parameters()], list(sequential.state_dict())
+    pipe = GPipe(sequential, chunks=2)
+    assert [n for n, _ in pipe.named_parameters()] == names and list(pipe.state_dict()) == keys
+    assert pipe.head is pipe[2] is sequential.head and list(pipe[0:2]._modules) == ["embed", "act"]
+    with pytest.raises(AttributeError, match="no attribute 'tail'"):
+        getattr(pipe, "tail")  # noqa: B009  (an attribute that is no layer stays an AttributeError)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(pipe(x), sequential(x))
+    copy = StageCopy(_named(), [2, 1], 1, lambda obj, to_all=True: [obj])  # stage 1 of 2: the head alone
+    assert [i for i, _ in copy.local_layers()] == [2] and copy.elsewhere == ["embed.weight", "embed.bias"]
+    tied = _named()
+    tied.head.weight = tied.embed.weight
+    assert [tie.spots for tie in find_ties(tied, [2, 1])] == [("embed.weight", "head.weight")]
 
 
 def test_the_watchdog_check_of_a_pipe_still_being_built_finds_nothing_instead_of_killing_the_watchdog():

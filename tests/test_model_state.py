@@ -41,10 +41,11 @@ def _one_device_keys():
 
 
 class _Stage:
-    """What the selection of a stage's entries reads of a pipeline: its layers' indices."""
+    """What the selection of a stage's entries reads of a pipeline: its layers' indices, and the Sequential's names."""
 
-    def __init__(self, indices):
+    def __init__(self, indices, names=None):
         self.indices = indices
+        self.layer_names = names or [str(i) for i in range(12)]
 
     def local_layers(self):
         return [(i, nn.Identity()) for i in self.indices]
@@ -145,6 +146,10 @@ def test_local_state_dict_keeps_the_stages_layers_and_everything_outside_the_bac
         "backbone_norm.weight",
         "head.weight",
     ]
+    named = {"backbone.embed.weight": 0, "backbone.block.weight": 1, "backbone.out.bias": 2}  # an OrderedDict's
+    assert model_state.local_state_dict(named, _Stage([1], ["embed", "block", "out"]), "backbone.") == {
+        "backbone.block.weight": 1
+    }
 
 
 def test_local_state_dict_of_a_pipeline_of_one_keeps_every_entry():

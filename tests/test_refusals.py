@@ -7,8 +7,9 @@ import _refusal_workers as W
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from lightning_gpipe import GPipeStrategy
+from lightning_gpipe import GPipeStrategy, refusals
 from lightning_gpipe.launch import run_processes
 
 
@@ -42,6 +43,50 @@ def test_a_compiled_lightning_module_is_refused_by_lightning_naming_the_strategy
         _fit(torch.compile(M.Net(), backend="eager"))
 
 
+class _Residual(torch.nn.Sequential):
+    """A Sequential whose own forward adds a residual around each layer: not the chain the pipeline runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = x + layer(x)
+        return x
+
+
+def test_a_sequential_subclass_with_its_own_forward_is_refused_naming_the_class_and_the_fix():
+    # it trained as a plain chain of its layers: 1.05 off one device in the weights after 8 steps, silently
+    model = M.Net()
+    model.backbone = _Residual(*model.backbone)
+    refused = r"`Net.backbone` is a _Residual, a subclass of nn.Sequential with its own forward .*plain nn.Sequential"
+    with pytest.raises(TypeError, match=refused):
+        _fit(model)
+    with pytest.raises(TypeError, match=r"The module given to GPipe is a _Residual"):
+        from lightning_gpipe import GPipe
+
+        GPipe(_Residual(torch.nn.Linear(3, 3)))
+    GPipe(_Unchanged(torch.nn.Linear(3, 3)))  # a subclass that keeps nn.Sequential's forward runs
+
+
+class _Unchanged(torch.nn.Sequential):
+    """A Sequential subclass that adds nothing to the call."""
+
+
+def test_a_distributed_sampler_over_the_jobs_processes_is_refused_naming_the_replicas_to_shard_over():
+    # a DDP script's `DistributedSampler(dataset)` shards over every process, stages included: training stopped on the
+    # batch check, but validation batches would have differed between the stages unchecked
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 2))
+    replicas = {"num_replicas": 1, "rank": 0}  # two stages, one replica
+    refused = r"DistributedSampler over num_replicas=2, rank=\d.*distributed_sampler_kwargs"
+    for rank in (0, 1):
+        sampler = DistributedSampler(data, num_replicas=2, rank=rank)
+        batches = BatchSampler(sampler, batch_size=2, drop_last=False)
+        for loader in (DataLoader(data, sampler=sampler), DataLoader(data, batch_sampler=batches)):
+            with pytest.raises(ValueError, match=refused):
+                refusals.stage_sharded_sampler(loader, replicas, 2)
+    two = {"num_replicas": 2, "rank": 1}  # 2 replicas of 2 stages: the replica's own sampler passes
+    refusals.stage_sharded_sampler(DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=1)), two, 4)
+    refusals.stage_sharded_sampler(DataLoader(data, shuffle=True), replicas, 2)
+
+
 def test_lazy_layers_are_refused_naming_the_layer_and_a_sample_forward_before_fit():
     # a lazy layer failed inside the profile with torch's own error (K=2: on every rank); DDP refuses them too
     model = M.Net()
@@ -57,16 +102,17 @@ def test_lazy_layers_are_refused_naming_the_layer_and_a_sample_forward_before_fi
     _fit(model)
 
 
-@pytest.mark.parametrize("select", ["index", "slice"])
+@pytest.mark.parametrize("select", ["index", "slice", "name"])
 def test_selecting_a_layer_another_stage_holds_stops_every_rank_naming_the_layer_its_stage_and_the_fix(select):
+    # by name (`self.backbone.layer0` in an OrderedDict Sequential) it was a bare AttributeError on stage 1
     outcome = run_processes(W.indexed_in_hook, 2, select, timeout=120)
     assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
     report = outcome.errors[1]
-    assert report.startswith(
-        "IndexError: The backbone is partitioned over 2 stages: layer 0 (Linear) on stage 0 (rank 0)"
-    )
+    layer = "layer 0 `layer0` (Linear)" if select == "name" else "layer 0 (Linear)"
+    assert report.startswith(f"IndexError: The backbone is partitioned over 2 stages: {layer} on stage 0 (rank 0)")
     assert "this process runs stage 1, which holds layers [3, 4, 5, 6]" in report
-    assert "n.startswith('backbone.0.')" in report and "local_layers()" in report and "configure_optimizers" in report
+    prefix = "backbone.layer0." if select == "name" else "backbone.0."
+    assert f"n.startswith('{prefix}')" in report and "local_layers()" in report and "configure_optimizers" in report
     if select == "slice":
         assert "layer 1 (Tanh) on stage 0 (rank 0)" in report
     assert outcome.errors[0].startswith("PipelineError: stage 1 (rank 1) failed: IndexError")

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.partition import layer_names
 from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.stage_copy import Gather, StageCopy, retie
 
@@ -152,7 +153,7 @@ def local_state_dict(state: dict[str, Any], pipe: GPipe, prefix: str) -> dict[st
 
     Keys under ``prefix`` (the backbone) belong to a layer: kept when the layer is this stage's.
     """
-    own = {str(i) for i, _ in pipe.local_layers()}
+    own = {pipe.layer_names[i] for i, _ in pipe.local_layers()}
     kept = {}
     for key, value in state.items():
         if key.startswith(prefix):
@@ -198,12 +199,12 @@ def _fill(
     values = {k: v for part in parts or [] for k, v in part.items()}
     indices = {i for i, _ in local}
     with torch.no_grad():
-        for index, layer in enumerate(full):
+        for index, (layer_name, layer) in enumerate(zip(layer_names(full), full)):
             if index in indices:
                 continue
             layer.to_empty(device="cpu")
             for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
-                key = f"{index}.{name}"
+                key = f"{layer_name}.{name}"
                 if key not in values:
                     raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
                 tensor.data = values[key]

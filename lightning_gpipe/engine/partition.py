@@ -17,6 +17,7 @@ __all__ = [
     "kept_together",
     "layer_span",
     "parameter_costs",
+    "layer_names",
     "shared_modules",
     "shared_spans",
     "split_table",
@@ -102,6 +103,16 @@ def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
     return balance_keeping_together(parameter_costs(module), stages, shared_spans(module))
 
 
+def layer_names(module: nn.Sequential) -> list[str]:
+    """The names of ``module``'s layers, in order: ``"0"``, ``"1"``, ... unless it was built from an ``OrderedDict``.
+
+    A stage keeps its layers under these names, so that ``state_dict`` keys, ``named_parameters()`` and attribute
+    access (``backbone.head``) read as on one device: code that selects parameters by name (a param group for
+    ``backbone.head``) must find them under the same names on every stage.
+    """
+    return list(module._modules)
+
+
 def shared_modules(module: nn.Sequential) -> list[tuple[nn.Module, str, list[int]]]:
     """Each module object with parameters or buffers that appears in several layers of ``module``: the object, its
     name at its first place, and its layers, outer modules first.
@@ -111,8 +122,8 @@ def shared_modules(module: nn.Sequential) -> list[tuple[nn.Module, str, list[int
     split that does not is refused (``tied.find_ties``).
     """
     owners: dict[int, tuple[nn.Module, str, list[int]]] = {}
-    for index, layer in enumerate(module):
-        for path, sub in layer.named_modules(prefix=str(index)):
+    for index, (name, layer) in enumerate(zip(layer_names(module), module)):
+        for path, sub in layer.named_modules(prefix=name):
             if any(True for _ in sub.parameters()) or any(True for _ in sub.buffers()):
                 entry = owners.setdefault(id(sub), (sub, path, []))
                 if index not in entry[2]:

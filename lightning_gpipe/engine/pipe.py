@@ -11,7 +11,7 @@ from typing import Any, NoReturn, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_gpipe.engine import distributed, microbatch
@@ -19,7 +19,13 @@ from lightning_gpipe.engine.channels import Channels
 from lightning_gpipe.engine.failure import FailureBoard, PipelineError
 from lightning_gpipe.engine.initial_state import start_from_rank_zero
 from lightning_gpipe.engine.lockstep import stray_message_error
-from lightning_gpipe.engine.partition import balance_by_params, layer_span, stage_bounds, validate_balance
+from lightning_gpipe.engine.partition import (
+    balance_by_params,
+    layer_names,
+    layer_span,
+    stage_bounds,
+    validate_balance,
+)
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.skip import SkipRoutes, StageSkips, find_skips
 from lightning_gpipe.engine.stage import StageRunner
@@ -54,6 +60,26 @@ on_pipeline_built: list[Callable[[GPipe], None]] = []
 def live_pipes() -> list[GPipe]:
     """The ``GPipe`` instances of this process that are built and not yet closed (usually one: the running one)."""
     return list(_live)
+
+
+def refuse_own_forward(module: nn.Sequential, name: str = "The backbone") -> None:
+    """Raise if ``module`` is a subclass of ``nn.Sequential`` with a ``forward`` of its own: naming it, and the fix.
+
+    A pipeline runs the layers as ``nn.Sequential.forward`` does, each on the previous one's output, and never calls
+    the Sequential's own ``forward``. A subclass that adds a residual around every layer, or passes two inputs
+    along, would train as a plain chain: every shape can still fit, and nothing else would tell.
+    """
+    own = type(module).forward
+    if own is not nn.Sequential.forward:
+        cls = type(module)
+        raise TypeError(
+            f"{name} is a {cls.__name__}, a subclass of nn.Sequential with its own forward "
+            f"({cls.__module__}.{cls.__qualname__}.forward). The pipeline runs the layers one after another as "
+            "nn.Sequential.forward does (each on the previous layer's output) and cannot run your forward, so the "
+            "model would silently train as another network. Put what the forward adds into the layers (a module per "
+            "block that holds the residual, say) and make the backbone a plain nn.Sequential of them; if your forward "
+            "only chains the layers, drop it."
+        )
 
 
 def refuse_lazy_layers(module: nn.Sequential) -> None:
@@ -198,6 +224,7 @@ class GPipe(nn.Module):
                 raise TypeError(f"`{name}` must be True or False, got {flag!r}.")
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
+        refuse_own_forward(module, "The module given to GPipe")
         refuse_lazy_layers(module)
         for name in _CALL_HOOKS:  # the same dicts: a hook's handle removes it from both, and the Sequential keeps it
             setattr(self, name, getattr(module, name))
@@ -217,6 +244,9 @@ class GPipe(nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         start, stop = stage_bounds(self.balance)[self.stage]
         self.num_layers = len(module)
+        #: the Sequential's layer names (``"0"``, ``"1"``, ... or an ``OrderedDict``'s): this stage's layers keep theirs
+        self.layer_names = layer_names(module)
+        self._layer_index = {name: index for index, name in enumerate(self.layer_names)}
         #: whether the processes built different initial weights and every stage took rank 0's (as DDP does)
         self.started_from_rank_zero = world > 1 and start_from_rank_zero(
             module, self.device, board.raise_if_failed if board is not None else None
@@ -515,7 +545,7 @@ class GPipe(nn.Module):
         own = set(self._modules)
         for key in [k for k in state_dict if k.startswith(prefix)]:
             layer = key[len(prefix) :].split(".", 1)[0]
-            if layer.isdigit() and int(layer) < self.num_layers and layer not in own:
+            if layer in self._layer_index and layer not in own:
                 del state_dict[key]
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -582,18 +612,31 @@ class GPipe(nn.Module):
         if isinstance(index, slice):
             indices = list(range(self.num_layers)[index])
             if not self._all_layers:
-                self._refuse_missing([i for i in indices if str(i) not in self._modules])
-            return nn.Sequential(OrderedDict((str(i), self._layer(i)) for i in indices))
+                self._refuse_missing([i for i in indices if self.layer_names[i] not in self._modules])
+            return nn.Sequential(OrderedDict((self.layer_names[i], self._layer(i)) for i in indices))
         i = operator.index(index)
         if not -self.num_layers <= i < self.num_layers:
             raise IndexError(f"index {index} is out of range for a backbone of {self.num_layers} layers")
         i %= self.num_layers
         if not self._all_layers:
-            self._refuse_missing([i] if str(i) not in self._modules else [])
+            self._refuse_missing([i] if self.layer_names[i] not in self._modules else [])
         return self._layer(i)
 
+    def __getattr__(self, name: str) -> Union[Tensor, nn.Module]:
+        """A layer by its name in an ``OrderedDict`` Sequential (``backbone.head``), as :meth:`__getitem__` gives it.
+
+        Without this, another stage's layer would be a bare ``AttributeError`` on some ranks and the layer on others.
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            index = self.__dict__.get("_layer_index", {}).get(name)
+            if index is None:
+                raise
+            return self[index]
+
     def _layer(self, i: int) -> nn.Module:
-        layer = self._modules.get(str(i))
+        layer = self._modules.get(self.layer_names[i])
         return layer if layer is not None else self.full_sequential()[i]  # another stage's, inside `all_layers()`
 
     def _refuse_missing(self, missing: list[int]) -> None:
@@ -601,21 +644,27 @@ class GPipe(nn.Module):
             return
         bounds = stage_bounds(self.balance)
         where = ", ".join(
-            f"layer {i} ({type(self.full_sequential()[i]).__name__}) on stage {s} (rank {self.ranks[s]})"
+            f"layer {self._describe_layer(i)} on stage {s} (rank {self.ranks[s]})"
             for i in missing
             for s, (start, stop) in enumerate(bounds)
             if start <= i < stop
         )
-        name = self.ties.prefix or "backbone."
+        name = (self.ties.prefix or "backbone.") + self.layer_names[missing[0]]
         raise IndexError(
             f"The backbone is partitioned over {self.layout.pipe_size} stages: {where}, but this process runs stage "
             f"{self.stage}, which holds layers {[i for i, _ in self.local_layers()]}. The same code runs on every "
             f"rank, so the run stops on every rank. Select layers by parameter name instead, e.g. "
-            f"`[p for n, p in self.named_parameters() if n.startswith('{name}{missing[0]}.')]` (empty on the stages "
+            f"`[p for n, p in self.named_parameters() if n.startswith('{name}.')]` (empty on the stages "
             "without the layer), or use `local_layers()` for this stage's (index, layer) pairs. (In "
             "`configure_optimizers`, selecting layers by position works: another stage's layer reads there as its "
             "`meta` copy, whose parameters the optimizers leave out.)"
         )
+
+    def _describe_layer(self, i: int) -> str:
+        """``3 (Linear)``, or ``3 `head` (Linear)`` where the Sequential names its layers."""
+        name = self.layer_names[i]
+        named = f" `{name}`" if name != str(i) else ""
+        return f"{i}{named} ({type(self.full_sequential()[i]).__name__})"
 
     def extra_repr(self) -> str:
         return (

@@ -7,7 +7,7 @@ from typing import Any, Callable, NoReturn, Optional
 
 from torch import Tensor, nn
 
-from lightning_gpipe.engine.partition import stage_bounds, validate_balance
+from lightning_gpipe.engine.partition import layer_names, stage_bounds, validate_balance
 from lightning_gpipe.engine.tied import Tie, keep_stage
 
 __all__ = ["Gather", "StageCopy", "retie"]
@@ -57,14 +57,16 @@ class StageCopy(nn.Module):
         # cut as the pipe is; the layers stay on their device: the averaging code places the copy
         self.ties: list[Tie] = keep_stage(self, module, self.balance, stage)
         self._full = [module]  # in a list, so that it is not a submodule: only this stage's layers are registered
-        own = {str(i) for i in range(start, stop)}
+        names = layer_names(module)
+        self._layer_index = {name: index for index, name in enumerate(names)}
+        own = set(names[start:stop])
         #: the other stages' state_dict entries, relative to this module ("3.weight"): a whole state must hold them
         self.elsewhere = [k for k in module.state_dict(keep_vars=True) if k.split(".", 1)[0] not in own]
         self.register_state_dict_post_hook(_gather_stages)
 
     def local_layers(self) -> list[tuple[int, nn.Module]]:
         """This stage's ``(index, layer)`` pairs."""
-        return [(int(name), layer) for name, layer in self._modules.items() if layer is not None]
+        return [(self._layer_index[name], layer) for name, layer in self._modules.items() if layer is not None]
 
     def full_sequential(self) -> nn.Sequential:
         """The copy this was cut from (other stages' layers are on ``meta`` until reassembled)."""

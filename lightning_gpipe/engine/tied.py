@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from lightning_gpipe.engine.distributed import backend_for, new_group
 from lightning_gpipe.engine.failure import PipelineError
 from lightning_gpipe.engine.microbatch import as_bits
-from lightning_gpipe.engine.partition import shared_modules, stage_bounds
+from lightning_gpipe.engine.partition import layer_names, shared_modules, stage_bounds
 from lightning_gpipe.engine.replicas import with_presence
 from lightning_gpipe.engine.topology import PipeLayout
 
@@ -76,15 +76,16 @@ def find_ties(module: nn.Sequential, balance: list[int]) -> list[Tie]:
     """
     where = _stage_of_layers(list(balance))
     spots: dict[int, list[tuple[int, str]]] = {}
+    names = layer_names(module)
     for index, layer in enumerate(module):
         for name, p in layer.named_parameters(remove_duplicate=False):
-            spots.setdefault(id(p), []).append((index, f"{index}.{name}"))
+            spots.setdefault(id(p), []).append((index, f"{names[index]}.{name}"))
     for sub, path, layers in shared_modules(module):
         stages = sorted({where[i] for i in layers})
         if len(stages) > 1:
             what = (
                 f"Layers {layers} of the Sequential are the same {type(sub).__name__} object"
-                if path == str(layers[0])
+                if path == names[layers[0]]
                 else f"Layers {layers} share the submodule `{path}` ({type(sub).__name__})"
             )
             raise ValueError(
@@ -288,7 +289,8 @@ def refuse_ties_outside(module: nn.Module, backbone: nn.Module, prefix: str) -> 
 def keep_stage(
     holder: nn.Module, module: nn.Sequential, balance: list[int], stage: int, device: Optional[torch.device] = None
 ) -> list[Tie]:
-    """Register ``stage``'s layers of ``module`` on ``holder`` under their indices, and move the others to ``meta``.
+    """Register ``stage``'s layers of ``module`` on ``holder`` under their names in ``module`` (:func:`layer_names`),
+    and move the others to ``meta``.
 
     Tied parameters are untied first, so this stage's copies stay real (:func:`untie`); the ties found are
     returned. The stage's layers move to ``device`` when it is given. Both ``GPipe`` and a weight average's
@@ -297,9 +299,9 @@ def keep_stage(
     start, stop = stage_bounds(balance)[stage]
     ties = find_ties(module, balance)  # raises if one module object would run on two stages
     untie(module, ties, stage)  # before the move to meta, which must not touch this stage's copies
-    for index, layer in enumerate(module):
+    for index, (name, layer) in enumerate(zip(layer_names(module), module)):
         if start <= index < stop:
-            holder.add_module(str(index), layer if device is None else layer.to(device))
+            holder.add_module(name, layer if device is None else layer.to(device))
         else:
             layer.to("meta")  # frees the memory of other stages' layers, even if the caller keeps references
     return ties

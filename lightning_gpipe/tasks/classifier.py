@@ -158,7 +158,7 @@ def load_backbone_weights(backbone: nn.Sequential, path: str, skip_last: int = 0
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds no state_dict; give a checkpoint of this package or a saved state_dict.")
-    kept = {str(i) for i in range(len(backbone) - skip_last)}
+    kept = set(list(backbone._modules)[: len(backbone) - skip_last])  # the layers' names ("0", ... or an OrderedDict's)
     backbone_state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     weights = {k: v for k, v in backbone_state.items() if k.split(".")[0] in kept}
     expected = {k for k in backbone.state_dict() if k.split(".")[0] in kept}
