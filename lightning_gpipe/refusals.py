@@ -197,9 +197,8 @@ def stage_sharded_sampler(loader: object, replicas: dict[str, Any], processes: i
     """A ``DistributedSampler`` built by user code that shards over the job's processes rather than the replicas."""
     # Lightning leaves a DistributedSampler it finds in a DataLoader alone. One made with the defaults (a DDP
     # script's `DistributedSampler(dataset)`) reads its rank and size from the process group, which counts every
-    # stage: each stage would get other samples, the backbone would learn from the first stage's inputs and the loss
-    # from the last stage's targets. Training batches would stop on the batch check at the first step; validation and
-    # prediction batches are not checked, so this refuses every loader before its first batch.
+    # stage: each stage would get other samples. The batch check stops the first step that meets them, with a list of
+    # usual causes; this names the sampler itself, for every loader, before its first batch.
     if not isinstance(loader, DataLoader):
         return
     sampler = loader.sampler

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 
 class SamplePredictions(Callback):
@@ -429,6 +429,11 @@ def _graph_logging(world_size: int) -> None:
     _pipelined(world_size, logger=logger).fit(model, M.loader(shuffle=False))
 
 
+def _stage_sharded_sampler(world_size: int) -> None:
+    data = M.loader(shuffle=False).dataset  # a DDP script's loader: its sampler's defaults count the stages
+    _pipelined(world_size).fit(M.Net(), DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=False)))
+
+
 #: What each rank would do its own way, tried on the pipeline: each must be refused at setup (the message).
 REFUSED: dict[str, Callable[[int], None]] = {
     "timed validation": _timed_validation,
@@ -436,6 +441,7 @@ REFUSED: dict[str, Callable[[int], None]] = {
     "sync batchnorm": _sync_batchnorm,
     "sync batchnorm layers": _sync_batchnorm_layers,
     "graph logging": _graph_logging,
+    "sampler over the stages": _stage_sharded_sampler,
 }
 
 

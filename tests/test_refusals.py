@@ -71,8 +71,8 @@ class _Unchanged(torch.nn.Sequential):
 
 
 def test_a_distributed_sampler_over_the_jobs_processes_is_refused_naming_the_replicas_to_shard_over():
-    # a DDP script's `DistributedSampler(dataset)` shards over every process, stages included: training stopped on the
-    # batch check, but validation batches would have differed between the stages unchecked
+    # a DDP script's `DistributedSampler(dataset)` shards over every process, stages included: the batch check stopped
+    # the first batch, with a list of usual causes that did not name the sampler
     data = torch.utils.data.TensorDataset(torch.zeros(8, 2))
     replicas = {"num_replicas": 1, "rank": 0}  # two stages, one replica
     refused = r"DistributedSampler over num_replicas=2, rank=\d.*distributed_sampler_kwargs"

@@ -278,6 +278,10 @@ def test_what_each_rank_would_do_its_own_way_is_refused_on_every_rank_before_any
         refused = result["graph logging"]
         assert refused is not None and refused.startswith("TensorBoardLogger(log_graph=True) is not supported")
         assert "log_graph=False" in refused
+        # and a DistributedSampler of the user's over every process, stages included
+        refused = result["sampler over the stages"]
+        assert refused is not None and refused.startswith("A DataLoader's sampler is a DistributedSampler over num_r")
+        assert "(here num_replicas=1, rank=0)" in refused
 
 
 def test_the_modules_state_dict_during_a_pipelined_fit_refuses_and_the_ways_it_names_give_the_whole_model(
