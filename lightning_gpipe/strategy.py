@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 from typing_extensions import override
 
-from lightning_gpipe import refusals
+from lightning_gpipe import metric_sync, refusals
 from lightning_gpipe._lightning import (
     averaged_copies,
     count_throughput_per_pipeline,
@@ -1005,7 +1005,8 @@ class GPipeStrategy(ParallelStrategy):
         A metric syncs over the default group (every rank) unless given a ``process_group``. Every stage of a
         pipeline updates its metrics with the same values, so over every rank a sum would count each sample
         once per stage. The replica group (DeviceMesh dim ``dp``) holds this rank alone with one pipeline,
-        which makes the sync a no-op. A metric given a group by the user keeps it.
+        which makes the sync a no-op. A metric given a group by the user keeps it. Metrics the module does not hold
+        (a callback's) are routed until teardown by :mod:`lightning_gpipe.metric_sync`.
         """
         module = self.lightning_module
         if self._mesh is None or module is None:
@@ -1014,6 +1015,8 @@ class GPipeStrategy(ParallelStrategy):
         for metric in module.modules():
             if isinstance(metric, torchmetrics.Metric) and metric.process_group is None:
                 metric.process_group = group
+        # and the metrics outside the module (a callback's, one built in a hook), until teardown
+        metric_sync.sync_over_replicas(lambda: self.replica_group)
 
     def _sync_replicated(self) -> None:
         """Give every stage the first stage's copy of the layers outside the backbone, and its random state.
@@ -1563,6 +1566,7 @@ class GPipeStrategy(ParallelStrategy):
             self.pipe.close()
         self._copies = []
         self.pipe = None
+        metric_sync.sync_over_replicas(None)
         trainer = self._trainer()
         if trainer is not None:  # the trainer's callbacks as the user left them
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ LAYERS = {
     "_lightning": {"engine", "_subclass", "checkpointing"},
     "stop_together": set(),
     "prediction_writers": set(),
+    "metric_sync": set(),
     "strategy": {
         "refusals",
         "engine",
@@ -31,6 +32,7 @@ LAYERS = {
         "_subclass",
         "stop_together",
         "prediction_writers",
+        "metric_sync",
     },
     "monitor.callback": {"engine", "monitor.timer", "monitor.timeline", "_lightning", "strategy"},
     "refusals": {"engine"},

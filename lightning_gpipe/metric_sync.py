@@ -1,0 +1,86 @@
+"""torchmetrics metrics kept outside the LightningModule sync over the data-parallel replicas, never over the stages.
+
+A torchmetrics ``Metric`` without a ``process_group`` syncs its states over the default group: every process of the
+job. The stages of one pipeline update their metrics with the same values (every rank holds the batch and the real
+backbone output), so over every process a ``SumMetric`` counts each sample once per stage, a ``ConfusionMatrix``
+holds K times the counts and a ``CatMetric`` each value K times (measured: 64 samples for 32 at K=2, silently). The
+strategy gives the LightningModule's own metrics the replica group at setup; a metric that a callback keeps, builds
+in a hook, or that a script keeps anywhere else cannot be reached from the module.
+
+torchmetrics looks up its default sync function, ``gather_all_tensors``, in its ``metric`` module at every sync
+(``Metric.sync``). Once routed, that name is :func:`_gather`: while a strategy has set :func:`sync_over_replicas`, a
+gather without a group goes over this stage's replicas (with one pipeline, this rank alone: its own state, as one
+device holds it); a gather given a group (``process_group=`` on the metric, or ``sync(process_group=...)``) and every
+gather outside a fit is torchmetrics' own.
+
+Written by hand because torchmetrics has no default group to set, only ``process_group`` and ``dist_sync_fn`` per
+metric, and the metrics in question are not the package's to configure.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch.distributed as dist
+import torchmetrics
+import torchmetrics.metric as torchmetrics_metric
+from torch import Tensor
+
+__all__ = ["route_default_sync", "routed", "sync_over_replicas"]
+
+#: torchmetrics' own ``gather_all_tensors``, kept while :func:`_gather` stands in for it
+_torchmetrics_gather: Optional[Callable[..., list[Tensor]]] = None
+#: while a strategy is set up: this stage's replica group, or ``None`` where the rank is its stage's only replica
+_replicas: Optional[Callable[[], Optional[dist.ProcessGroup]]] = None
+
+
+def routed() -> bool:
+    """Whether torchmetrics' default sync function is :func:`_gather` in this process."""
+    return getattr(torchmetrics_metric, "gather_all_tensors", None) is _gather
+
+
+def route_default_sync() -> bool:
+    """Make torchmetrics' default sync go through :func:`_gather` (idempotent).
+
+    Returns False, with a warning that names the workaround, where this torchmetrics no longer looks the function
+    up in its ``metric`` module.
+    """
+    global _torchmetrics_gather
+    if routed():
+        return True
+    original = getattr(torchmetrics_metric, "gather_all_tensors", None)
+    code = getattr(torchmetrics.Metric.sync, "__code__", None)
+    if original is None or code is None or "gather_all_tensors" not in code.co_names:
+        warnings.warn(
+            f"torchmetrics {torchmetrics.__version__} no longer syncs through torchmetrics.metric.gather_all_tensors, "
+            "so a metric kept outside the LightningModule (in a callback) would sync over every stage of the pipeline "
+            "and count each sample once per stage. Give such metrics "
+            "`process_group=trainer.strategy.replica_group` (None with one pipeline: use `sync_on_compute=False`).",
+            stacklevel=2,
+        )
+        return False
+    _torchmetrics_gather = original
+    torchmetrics_metric.gather_all_tensors = _gather
+    return True
+
+
+def sync_over_replicas(group: Optional[Callable[[], Optional[dist.ProcessGroup]]]) -> None:
+    """From now on, a metric sync without a group of its own goes over ``group()`` (which gives ``None`` where this
+    rank is its stage's only replica); ``None`` ends that (the strategy's setup and teardown call this)."""
+    global _replicas
+    if group is not None:
+        route_default_sync()
+    _replicas = group
+
+
+def _gather(result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
+    """torchmetrics' ``gather_all_tensors``, over this stage's replicas where no group was given during a fit."""
+    assert _torchmetrics_gather is not None  # set with the routing
+    if group is None and _replicas is not None:
+        replicas = _replicas()
+        if replicas is None:
+            return [result]  # the only replica of this stage: nothing to sync with
+        group = replicas
+    return _torchmetrics_gather(result, group=group)
