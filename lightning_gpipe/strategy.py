@@ -1158,8 +1158,8 @@ class GPipeStrategy(ParallelStrategy):
     def replica_group(self) -> Optional[dist.ProcessGroup]:
         """This rank's stage in every pipeline (DeviceMesh dim ``dp``): the group to reduce over.
 
-        ``None`` with one pipeline. The module's torchmetrics metrics sync over it without user code (see
-        ``_sync_metrics_over_replicas``); pass it as ``process_group`` to a metric kept outside the module.
+        ``None`` with one pipeline. torchmetrics metrics sync over it without user code, the module's (see
+        ``_sync_metrics_over_replicas``) and those kept outside it (:mod:`lightning_gpipe.metric_sync`).
         """
         if self._mesh is None or self.layout.num_replicas == 1:
             return None
