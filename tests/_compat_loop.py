@@ -397,6 +397,11 @@ def named_layers() -> Scenario:
     return Scenario(NamedLayers(), trainer={"enable_checkpointing": True})
 
 
+def time_limit() -> Scenario:
+    # Lightning's Timer decides on rank 0's clock and broadcasts the decision, so every stage stops after one step
+    return Scenario(Base(), trainer={"max_time": {"seconds": 2}, "max_epochs": 10_000})
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -432,5 +437,6 @@ SCENARIOS = {
         lstm_single_samples,
         groups_by_position,
         named_layers,
+        time_limit,
     )
 }

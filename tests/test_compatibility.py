@@ -147,6 +147,14 @@ def test_layers_named_in_an_ordered_dict_keep_their_names_on_every_stage(runs):
     assert ranks[0]["record"]["saved"] == want["record"]["saved"]  # the checkpoint under the one-device keys
 
 
+def test_max_time_stops_every_stage_after_the_same_step_with_the_same_model(runs):
+    reference, pipelined = runs
+    first, second = (rank["time_limit"] for rank in pipelined)
+    assert reference["time_limit"]["steps"] > 8  # stopped by the clock, not by the default 2 epochs (8 steps)
+    assert 8 < first["steps"] == second["steps"] and first["epochs"] == second["epochs"]
+    assert _same_weights(first["weights"], second["weights"]) == 0.0  # the whole model, equal on every rank
+
+
 def test_device_stats_monitor_logs_the_one_device_keys_on_rank_zero(runs):
     want, ranks = _check("device_stats", runs)
     keys = lambda rows: sorted({k for row in rows for k in row})  # noqa: E731
