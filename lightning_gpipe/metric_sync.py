@@ -8,10 +8,12 @@ strategy gives the LightningModule's own metrics the replica group at setup; a m
 in a hook, or that a script keeps anywhere else cannot be reached from the module.
 
 torchmetrics looks up its default sync function, ``gather_all_tensors``, in its ``metric`` module at every sync
-(``Metric.sync``). Once routed, that name is :func:`_gather`: while a strategy has set :func:`sync_over_replicas`, a
-gather without a group goes over this stage's replicas (with one pipeline, this rank alone: its own state, as one
-device holds it); a gather given a group (``process_group=`` on the metric, or ``sync(process_group=...)``) and every
-gather outside a fit is torchmetrics' own.
+(``Metric.sync``). Once routed, that name is :func:`_gather`: while a strategy has set :func:`sync_over_replicas`
+(from its setup to its teardown), a gather without a group goes over this stage's replicas (with one pipeline,
+this rank alone: its own state, as one device holds it); a gather given a group (``process_group=`` on the metric,
+or ``sync(process_group=...)``) and every gather outside a strategy's run is torchmetrics' own. At teardown the
+metrics the callbacks keep get the replica group as their own (:func:`keep_over`), for what the script computes
+after ``fit``.
 
 Written by hand because torchmetrics has no default group to set, only ``process_group`` and ``dist_sync_fn`` per
 metric, and the metrics in question are not the package's to configure.
@@ -20,15 +22,15 @@ metric, and the metrics in question are not the package's to configure.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 import torch.distributed as dist
 import torchmetrics
 import torchmetrics.metric as torchmetrics_metric
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["route_default_sync", "routed", "sync_over_replicas"]
+__all__ = ["keep_over", "route_default_sync", "routed", "sync_over_replicas"]
 
 #: torchmetrics' own ``gather_all_tensors``, kept while :func:`_gather` stands in for it
 _torchmetrics_gather: Optional[Callable[..., list[Tensor]]] = None
@@ -73,6 +75,33 @@ def sync_over_replicas(group: Optional[Callable[[], Optional[dist.ProcessGroup]]
     if group is not None:
         route_default_sync()
     _replicas = group
+
+
+def keep_over(group: dist.ProcessGroup, holders: Iterable[object]) -> None:
+    """Give ``group`` to every torchmetrics metric without a ``process_group`` that ``holders`` keep: as attributes,
+    in lists, tuples and dicts, or inside modules (a ``MetricCollection``).
+
+    Called at teardown on the callbacks, after which :func:`sync_over_replicas` ends (a later run in this process,
+    with another strategy, must sync as torchmetrics does): the stages' metrics still hold equal states then, so a
+    metric the script computes once ``fit`` returned (a callback's confusion matrix) still counts each sample once.
+    """
+    for metric in _metrics_in(list(holders), depth=3):
+        if metric.process_group is None:
+            metric.process_group = group
+
+
+def _metrics_in(values: list[Any], depth: int) -> Iterator[torchmetrics.Metric]:
+    """The metrics among ``values`` and what they hold, ``depth`` containers down (objects other than containers and
+    modules are entered at the first level only: a callback's attributes, not the trainer it may keep)."""
+    for value in values:
+        if isinstance(value, nn.Module):
+            yield from (m for m in value.modules() if isinstance(m, torchmetrics.Metric))
+        elif depth > 0 and isinstance(value, (list, tuple, set)):
+            yield from _metrics_in(list(value), depth - 1)
+        elif depth > 0 and isinstance(value, dict):
+            yield from _metrics_in(list(value.values()), depth - 1)
+        elif depth == 3 and hasattr(value, "__dict__"):
+            yield from _metrics_in(list(vars(value).values()), depth - 1)
 
 
 def _gather(result: Tensor, group: Optional[Any] = None) -> list[Tensor]:

@@ -1006,7 +1006,7 @@ class GPipeStrategy(ParallelStrategy):
         pipeline updates its metrics with the same values, so over every rank a sum would count each sample
         once per stage. The replica group (DeviceMesh dim ``dp``) holds this rank alone with one pipeline,
         which makes the sync a no-op. A metric given a group by the user keeps it. Metrics the module does not hold
-        (a callback's) are routed until teardown by :mod:`lightning_gpipe.metric_sync`.
+        (a callback's) are routed by :mod:`lightning_gpipe.metric_sync`.
         """
         module = self.lightning_module
         if self._mesh is None or module is None:
@@ -1566,8 +1566,10 @@ class GPipeStrategy(ParallelStrategy):
             self.pipe.close()
         self._copies = []
         self.pipe = None
-        metric_sync.sync_over_replicas(None)
         trainer = self._trainer()
+        if trainer is not None and self._mesh is not None:  # their metrics, computed after `fit`, count samples once
+            metric_sync.keep_over(self._mesh.get_group("dp"), trainer.callbacks)  # type: ignore[attr-defined]
+        metric_sync.sync_over_replicas(None)
         if trainer is not None:  # the trainer's callbacks as the user left them
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit

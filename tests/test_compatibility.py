@@ -270,6 +270,7 @@ def test_metrics_sum_cat_accuracy_sync_dist_and_all_gather_count_each_sample_onc
         assert len(want["record"]["val_targets"]) == 16
         assert got["record"]["callback"] == want["record"]["callback"]  # a callback's metrics, once per sample too
         assert [seen for seen, _, _ in want["record"]["callback"]] == [32.0, 64.0]
+        assert got["record"]["after_fit"] == want["record"]["after_fit"] == 64.0  # and once `fit` returned
         # one pipeline is one data-parallel rank: all_gather stacks one row, as DDP with one process does
         assert set(got["record"]["all_gather_shapes"]) == {(1,)}
     assert not math.isnan(want["metrics"]["val_acc"].item())
@@ -302,6 +303,7 @@ def test_metrics_and_seeded_workers_over_two_replicas_of_two_stages_equal_ddp_ov
         assert got["record"]["samples_seen"] == expected["record"]["samples_seen"]
         assert got["record"]["val_targets"] == expected["record"]["val_targets"]  # gathered over the replicas
         assert got["record"]["callback"] == expected["record"]["callback"]  # so are a callback's metrics
+        assert got["record"]["after_fit"] == expected["record"]["after_fit"]
         assert got["record"]["all_gather_shapes"] == expected["record"]["all_gather_shapes"] == [(2,)] * 2
         for key, value in expected["metrics"].items():
             torch.testing.assert_close(got["metrics"][key], value, atol=1e-6, rtol=0, msg=key)
