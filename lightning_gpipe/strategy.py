@@ -1198,15 +1198,16 @@ class GPipeStrategy(ParallelStrategy):
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather from the data-parallel replicas (by default), stacked in replica order.
 
-        Polled like every collective of the strategy; with ``sync_grads`` through Lightning's differentiable
-        gather, which blocks.
+        Polled like every collective of the strategy, ``sync_grads`` too (whose backward sums each row's gradient
+        over the replicas: torch's differentiable gather, which Lightning's uses, fails over a subgroup on gloo).
         """
         group = self._over(group)
         if group is None or not self._active():
             return tensor.unsqueeze(0)
+        watch = self._watch("a gather", whole_pipeline=False)
         if sync_grads:
-            return super().all_gather(tensor, group=group, sync_grads=True)
-        return distributed.all_gather(tensor, group, self._watch("a gather", whole_pipeline=False))
+            return distributed.all_gather_with_gradients(tensor, group, watch)
+        return distributed.all_gather(tensor, group, watch)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

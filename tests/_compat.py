@@ -252,6 +252,26 @@ def metrics() -> Scenario:
     return Scenario(Metrics(), val=_loader(samples=16), callbacks=callbacks, after_fit=_computed_after_fit)
 
 
+class Contrastive(Base):
+    """A contrastive loss over the features of every data-parallel rank, gathered with their gradients (SimCLR's,
+    CLIP's): each sample's view against the other view of every sample of the global batch."""
+
+    def loss(self, batch: Any) -> Tensor:
+        x, _ = batch
+        anchors = F.normalize(self.backbone(x), dim=1)
+        gathered = self.all_gather(F.normalize(self.backbone(x + 0.1), dim=1), sync_grads=True)
+        if gathered.dim() == 2:  # one device: the tensor itself, not stacked
+            gathered = gathered.unsqueeze(0)
+        rank = self.trainer.strategy.distributed_sampler_kwargs["rank"] if len(gathered) > 1 else 0
+        return F.cross_entropy(anchors @ gathered.flatten(0, 1).T / 0.1, torch.arange(len(x)) + rank * len(x))
+
+
+def contrastive_all_gather() -> Scenario:
+    # with replicas, `all_gather(sync_grads=True)` failed in its backward: torch's differentiable gather scatters from
+    # group ranks taken as global ones on gloo ("Global rank 1 is not part of group")
+    return Scenario(Contrastive())
+
+
 def loggers_and_lr_monitor() -> Scenario:
     return Scenario(
         WithStepLR(),
@@ -823,6 +843,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (
         accumulate_grad_batches,
+        contrastive_all_gather,
         clip_by_norm,
         clip_by_value,
         lr_scheduler,

@@ -58,6 +58,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
     "name",
     [
         "accumulate_grad_batches",
+        "contrastive_all_gather",
         "clip_by_norm",
         "clip_by_value",
         "lr_scheduler",
@@ -288,12 +289,15 @@ def test_csv_logger_and_learning_rate_monitor_write_the_one_device_rows_on_rank_
 
 
 def test_metrics_and_seeded_workers_over_two_replicas_of_two_stages_equal_ddp_over_two_processes():
-    names = ["metrics", "workers_seeded_by_lightning"]
+    names = ["metrics", "workers_seeded_by_lightning", "contrastive_all_gather"]
     ddp = run_ok(_compat.ddp, 2, names, timeout=600)
     pipelined = run_ok(_compat.pipelined_replicas, 4, names, timeout=600)
     # each replica's workers draw the augmentations of the DDP rank of the same index: the same weights
     for rank, got in enumerate(r["workers_seeded_by_lightning"] for r in pipelined):
         assert _same_weights(got["weights"], ddp[rank // 2]["workers_seeded_by_lightning"]["weights"]) <= 1e-6
+    # a contrastive loss over both replicas' features, gathered with their gradients: DDP's weights
+    for rank, got in enumerate(r["contrastive_all_gather"] for r in pipelined):
+        assert _same_weights(got["weights"], ddp[rank // 2]["contrastive_all_gather"]["weights"]) <= 1e-6
     want = ddp[0]["metrics"]
     assert want["record"]["samples_seen"] == [32.0, 64.0]  # the sum over both data-parallel ranks
     for rank, got in enumerate(r["metrics"] for r in pipelined):

@@ -30,6 +30,7 @@ __all__ = [
     "wait",
     "barrier",
     "all_gather",
+    "all_gather_with_gradients",
     "all_reduce",
     "broadcast_object",
     "gather_objects",
@@ -178,6 +179,34 @@ def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, watch:
     parts = [torch.empty_like(tensor) for _ in range(_size(group))]
     wait(dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True), watch, "all_gather", group)
     return torch.stack(parts)
+
+
+def all_gather_with_gradients(
+    tensor: Tensor, group: Optional[dist.ProcessGroup] = None, watch: Optional[Watch] = None
+) -> Tensor:
+    """:func:`all_gather`, differentiable: the gradient of ``tensor`` is the sum over the ranks of the gradient of its
+    row (a contrastive loss over the features of every data-parallel rank, ``all_gather(x, sync_grads=True)``).
+
+    Written by hand because torch's ``torch.distributed.nn.functional.all_gather`` fails in its backward over a
+    subgroup on gloo: its all-to-all scatters from ``src=i``, a rank of the group taken as a global rank ("Global rank
+    1 is not part of group"), and a pipeline's replicas are such a subgroup. Both directions are watched collectives.
+    """
+    return _GatherWithGradients.apply(tensor, group, watch)
+
+
+class _GatherWithGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: Optional[dist.ProcessGroup], watch: Optional[Watch]) -> Tensor:
+        ctx.group, ctx.watch = group, watch
+        ctx.index = dist.get_rank(group) if is_distributed() else 0
+        return all_gather(tensor, group, watch)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
+        if not is_distributed():
+            return grad[0], None, None
+        total = all_reduce(grad.contiguous().clone(), group=ctx.group, watch=ctx.watch)  # every rank's use of each row
+        return total[ctx.index], None, None
 
 
 def _as_bytes(obj: Any, device: torch.device) -> Tensor:
