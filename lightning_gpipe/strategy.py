@@ -103,6 +103,7 @@ from lightning_gpipe.engine.partition import (
     balance_keeping_together,
     check_balance_entries,
     kept_together,
+    layer_names,
     parameter_costs,
     split_table,
     validate_balance,
@@ -112,6 +113,7 @@ from lightning_gpipe.engine.pipe import (
     GPipe,
     refuse_lazy_layers,
     refuse_own_forward,
+    refuse_reserved_names,
     refuse_sync_batch_norm,
 )
 from lightning_gpipe.engine.replicas import broadcast_from_first_replica
@@ -517,6 +519,7 @@ class GPipeStrategy(ParallelStrategy):
                 f"{compile_layers}."
             )
         refuse_own_forward(sequential, where)  # the profile would time the layers as a chain
+        refuse_reserved_names(layer_names(sequential))  # before the profile, as GPipe would
         refuse_lazy_layers(sequential)  # before the profile, which would meet them first
         layout = self.layout
         refuse_sync_batch_norm(sequential, layout.pipe_size)  # before the profile too: it would wait in a collective

@@ -10,6 +10,7 @@ from _engine_workers import plain_pipeline, reference
 from torch import nn
 
 from lightning_gpipe import GPipe
+from lightning_gpipe.engine.pipe import _CALL_HOOKS, OWN_ATTRIBUTES
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import find_ties
 from lightning_gpipe.launch import run_ok
@@ -207,6 +208,17 @@ def test_layers_named_in_an_ordered_dict_keep_their_names_in_the_pipeline_and_it
     tied = _named()
     tied.head.weight = tied.embed.weight
     assert [tie.spots for tie in find_ties(tied, [2, 1])] == [("embed.weight", "head.weight")]
+
+
+def test_a_layer_named_like_an_attribute_of_the_pipeline_is_refused_naming_it_and_every_attribute_is_listed():
+    with pytest.raises(
+        ValueError, match=r"Layer 1 of the backbone is named `stage`.*Rename the layer \(e.g. `stage_`\)"
+    ):
+        GPipe(nn.Sequential(OrderedDict(embed=nn.Linear(2, 2), stage=nn.Tanh())))
+    with pytest.raises(ValueError, match=r"named `gather`, a name the pipeline uses for an attribute of its own"):
+        GPipe(nn.Sequential(OrderedDict(gather=nn.Linear(2, 2))))
+    pipe = GPipe(_named(), chunks=2)  # what the list must hold: every attribute a built pipe set beyond nn.Module's
+    assert set(vars(pipe)) - set(vars(nn.Module())) - set(_CALL_HOOKS) <= OWN_ATTRIBUTES
 
 
 def test_the_watchdog_check_of_a_pipe_still_being_built_finds_nothing_instead_of_killing_the_watchdog():

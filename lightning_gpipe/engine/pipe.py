@@ -82,6 +82,52 @@ def refuse_own_forward(module: nn.Sequential, name: str = "The backbone") -> Non
         )
 
 
+#: The attributes a ``GPipe`` sets on itself: a layer under one of these names (or a method's) could not be kept under
+#: its own name beside them (``tests/test_engine.py`` checks that this lists every attribute a built pipe has).
+OWN_ATTRIBUTES = frozenset(
+    {
+        "_all_layers",
+        "_full",
+        "_is_full_backward_hook",
+        "_layer_index",
+        "_own_board",
+        "_own_mesh",
+        "_partial_state",
+        "balance",
+        "board",
+        "device",
+        "group",
+        "layer_names",
+        "layout",
+        "mesh",
+        "num_layers",
+        "ranks",
+        "replica_group",
+        "runner",
+        "skips",
+        "stage",
+        "started_from_rank_zero",
+        "ties",
+        "whole_state_hint",
+    }
+)
+
+
+def refuse_reserved_names(names: Sequence[str]) -> None:
+    """Raise if a layer's name in the Sequential is one a ``GPipe`` uses itself: naming the layer, and the fix.
+
+    Each stage keeps its layers under their names, so that parameter names read as on one device; a layer called
+    ``stage`` or ``device`` would clash with the pipeline's own attribute of that name.
+    """
+    for index, name in enumerate(names):
+        if name in OWN_ATTRIBUTES or hasattr(GPipe, name):
+            raise ValueError(
+                f"Layer {index} of the backbone is named `{name}`, a name the pipeline uses for an attribute of its "
+                f"own (`GPipe.{name}`). Each stage keeps its layers under their names in the Sequential, so that "
+                f"parameter names and checkpoint keys read as on one device. Rename the layer (e.g. `{name}_`)."
+            )
+
+
 def refuse_lazy_layers(module: nn.Sequential) -> None:
     """Raise if a layer still has uninitialized (lazy) parameters: naming it, and how to give them their shapes.
 
@@ -225,6 +271,7 @@ class GPipe(nn.Module):
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
         refuse_own_forward(module, "The module given to GPipe")
+        refuse_reserved_names(layer_names(module))
         refuse_lazy_layers(module)
         for name in _CALL_HOOKS:  # the same dicts: a hook's handle removes it from both, and the Sequential keeps it
             setattr(self, name, getattr(module, name))
