@@ -15,6 +15,7 @@ import _models as M
 import _sweeps
 import lightning as L
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
@@ -141,6 +142,29 @@ class TextNet(M.Net):
         return super().training_step((x, y), batch_idx)
 
 
+class Images:
+    """A batch class of a user's (neither a container nor a dataclass), which Lightning moves through its ``to``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def to(self, device: torch.device) -> "Images":
+        return Images(self.x.to(device), self.y.to(device))
+
+
+def _images(samples: list) -> Images:
+    return Images(torch.stack([x for x, _ in samples]), torch.tensor([y for _, y in samples]))
+
+
+class ImagesNet(M.Net):
+    """Takes its inputs from an :class:`Images` batch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch.x), batch.y)
+        self.log("train_loss", loss, batch_size=len(batch.y))
+        return loss
+
+
 def different_batches(rank: int, world_size: int, cause: str) -> None:
     """The stages get different batches: unseeded randomness, a per-rank stream, or loaders of unequal lengths."""
     L.seed_everything(0, verbose=False)
@@ -151,6 +175,9 @@ def different_batches(rank: int, world_size: int, cause: str) -> None:
         data = DataLoader(PerRankStream(), batch_size=8)
     elif cause == "unseeded text":
         _fit(TextNet(), world_size, data=DataLoader(UnseededText(), batch_size=8))
+        return
+    elif cause == "unseeded batch object":  # the fingerprint read only the class's name: it trained on, silently
+        _fit(ImagesNet(), world_size, data=DataLoader(NoisyDigits(), batch_size=8, collate_fn=_images))
         return
     else:  # rank 1 has one batch less per epoch, so its second epoch starts while rank 0 is still in its first
         data = M.loader(samples=40 - 8 * rank, shuffle=False)

@@ -104,7 +104,8 @@ def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_wit
 
 
 @pytest.mark.parametrize(
-    "cause", ["unseeded random", "per-rank iterable", "loaders of unequal lengths", "unseeded text"]
+    "cause",
+    ["unseeded random", "per-rank iterable", "loaders of unequal lengths", "unseeded text", "unseeded batch object"],
 )
 def test_stages_with_different_batches_stop_at_the_first_difference_naming_the_stages_and_the_fixes(cause):
     outcome = run_processes(W.different_batches, 2, cause, timeout=120)

@@ -286,25 +286,39 @@ def fingerprint(batch: Any) -> int:
     >>> fingerprint(torch.tensor([1.0, 2.0])) == fingerprint(torch.tensor([2.0, 1.0]))
     False
     """
+    return (_digest(batch, _OBJECT_DEPTH) >> 1) or 1  # 0 means "not checked" in a message header
+
+
+#: How many levels of plain objects' attributes a fingerprint reads (a batch class of the user's holding tensors; a
+#: bound keeps an object that refers to itself, or to a large graph, from being walked without end)
+_OBJECT_DEPTH = 3
+
+
+def _digest(batch: Any, depth: int) -> int:
     every = list(tensors(batch))
     digest = 0
     for t, values in zip(every, _checksums([as_bits(t) for t in every])):
         digest = _mix(digest, t, values)
     others = leaves(batch, lambda value: not isinstance(value, Tensor) and not is_container(value))
     for value in others:  # a text batch's strings, a NumPy array: the stages must agree on them too
-        digest = mix64(digest ^ _leaf_digest(value))
-    return (digest >> 1) or 1  # 0 means "not checked" in a message header
+        digest = mix64(digest ^ _leaf_digest(value, depth))
+    return digest
 
 
-def _leaf_digest(value: Any) -> int:
-    """A CRC of a non-tensor leaf: a number's or string's exact repr, a NumPy array's bytes, else its type's name (an
-    object's repr may hold its address, which differs between processes)."""
+def _leaf_digest(value: Any, depth: int) -> int:
+    """A CRC of a non-tensor leaf: a number's or string's exact repr, a NumPy array's bytes; an object's type name and
+    the digest of its attributes (a batch class of the user's, which Lightning moves through its ``.to``), ``depth``
+    levels down; else its type's name alone (an object's repr may hold its address, which differs between processes)."""
     if isinstance(value, (str, bytes, bool, int, float, complex, type(None))):
         return zlib.crc32(repr(value).encode("utf-8", "surrogatepass"))
     tobytes = getattr(value, "tobytes", None)
     if callable(tobytes) and hasattr(value, "dtype") and hasattr(value, "shape"):
         return zlib.crc32(tobytes()) ^ zlib.crc32(f"{value.dtype}{value.shape}".encode())
-    return zlib.crc32(type(value).__qualname__.encode())
+    name = zlib.crc32(type(value).__qualname__.encode())
+    attributes = getattr(value, "__dict__", None)
+    if depth > 0 and isinstance(attributes, dict) and not callable(value):
+        return name ^ _digest(dict(attributes), depth - 1)
+    return name
 
 
 def fingerprints(every: Sequence[Tensor]) -> list[int]:
