@@ -1,6 +1,7 @@
 """The engine on its own: plain PyTorch, no Lightning, real processes over gloo."""
 
 import types
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -219,6 +220,23 @@ def test_a_layer_named_like_an_attribute_of_the_pipeline_is_refused_naming_it_an
         GPipe(nn.Sequential(OrderedDict(gather=nn.Linear(2, 2))))
     pipe = GPipe(_named(), chunks=2)  # what the list must hold: every attribute a built pipe set beyond nn.Module's
     assert set(vars(pipe)) - set(vars(nn.Module())) - set(_CALL_HOOKS) <= OWN_ATTRIBUTES
+
+
+def test_a_first_training_batch_smaller_than_chunks_warns_once_naming_the_fix():
+    # it was cut into one micro-batch per sample without a word: a chunks set too high for the batch size went unseen
+    pipe = GPipe(nn.Sequential(nn.Linear(3, 3), nn.Tanh()), chunks=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            pipe(torch.randn(1, 3))  # an evaluation batch of 1 (a sanity check): cut per sample, as expected
+        for size in (2, 2, 8):
+            pipe(torch.randn(size, 3)).sum().backward()
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and said[0].startswith("The first training batch has 2 samples, fewer than chunks=4")
+    assert "set chunks to at most 2" in said[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GPipe(nn.Sequential(nn.Linear(3, 3)), chunks=4)(torch.randn(4, 3)).sum().backward()  # a full batch: silent
 
 
 def test_the_watchdog_check_of_a_pipe_still_being_built_finds_nothing_instead_of_killing_the_watchdog():

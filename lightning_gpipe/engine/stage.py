@@ -8,6 +8,7 @@ gradient sent to the previous stage. Parameter gradients build up in place, as i
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -149,6 +150,8 @@ class StageRunner:
                 self._evaluating -= 1
         call = self.calls
         self.calls += 1
+        if call == 0 and self.is_first and self.ranks[0] == 0:  # once, on the job's first rank
+            self._note_small_first_batch(microbatch.batch_size(batch))
         leaves = microbatch.tensors(batch)
         anchor = torch.empty(0, device=self.device, requires_grad=True)  # see _Bridge
         box: dict[str, Any] = {"label": label}
@@ -158,6 +161,20 @@ class StageRunner:
             self._undrained.pop(call, None)
             raise
         return unflatten(values, box["structure"])
+
+    def _note_small_first_batch(self, size: int) -> None:
+        """Warn where the first training batch has fewer samples than ``chunks``: it is cut into one micro-batch per
+        sample. The results are the same, but the pipeline runs fewer micro-batches than it was given, so its bubble
+        is larger; batches that stay that small mean ``chunks`` was set too high (a short last batch, or a small
+        evaluation batch later, is cut the same way without a word)."""
+        if size < self.chunks:
+            warnings.warn(
+                f"The first training batch has {size} samples, fewer than chunks={self.chunks}: it is cut into {size} "
+                f"micro-batches of one sample, and so is every batch of fewer than {self.chunks} samples (the results "
+                f"are the same; the pipeline's bubble is larger than with {self.chunks} micro-batches). If the batches "
+                f"stay this small, set chunks to at most {size}, or raise the batch size.",
+                stacklevel=3,
+            )
 
     def _fingerprint(self, batch: Any) -> int:
         if len(self.ranks) == 1:
