@@ -397,6 +397,17 @@ def named_layers() -> Scenario:
     return Scenario(NamedLayers(), trainer={"enable_checkpointing": True})
 
 
+class EndsEpochsEarly(Base):
+    """Ends every epoch at its third batch: Lightning's ``on_train_batch_start`` returning -1."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        return -1 if batch_idx == 2 else None
+
+
+def epoch_ended_by_the_hook() -> Scenario:
+    return Scenario(EndsEpochsEarly())
+
+
 def time_limit() -> Scenario:
     # Lightning's Timer decides on rank 0's clock and broadcasts the decision, so every stage stops after one step
     return Scenario(Base(), trainer={"max_time": {"seconds": 2}, "max_epochs": 10_000})
@@ -438,5 +449,6 @@ SCENARIOS = {
         groups_by_position,
         named_layers,
         time_limit,
+        epoch_ended_by_the_hook,
     )
 }

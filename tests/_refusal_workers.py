@@ -34,3 +34,17 @@ def indexed_in_hook(rank: int, world_size: int, select: str) -> None:
     torch.set_num_threads(1)
     trainer = L.Trainer(strategy=GPipeStrategy(balance=[3, 4], chunks=2), devices=world_size, **M.trainer_kwargs())
     trainer.fit(IndexedInHook(select), M.loader())
+
+
+class SkipsOddSteps(M.Net):
+    """Returns None from ``training_step`` on odd batches, after the backbone ran: Lightning's way to skip a step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+def skipped_steps(rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
+    trainer.fit(SkipsOddSteps(), M.loader())

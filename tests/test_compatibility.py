@@ -119,6 +119,7 @@ def test_feature_trains_as_on_one_device(name, runs):
         "lstm_in_backbone",
         "lstm_single_samples",
         "groups_by_position",
+        "epoch_ended_by_the_hook",
     ],
 )
 def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):

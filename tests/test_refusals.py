@@ -116,3 +116,12 @@ def test_selecting_a_layer_another_stage_holds_stops_every_rank_naming_the_layer
     if select == "slice":
         assert "layer 1 (Tanh) on stage 0 (rank 0)" in report
     assert outcome.errors[0].startswith("PipelineError: stage 1 (rank 1) failed: IndexError")
+
+
+def test_a_training_step_that_returns_none_is_refused_by_lightning_on_every_rank():
+    # Lightning refuses a skipped step whenever the job has several processes (as under DDP), after the backbone ran:
+    # every rank must end, none waiting in the drain of the call it made
+    outcome = run_processes(W.skipped_steps, 2, timeout=120)
+    assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
+    for error in outcome.errors:  # its own, or (had the other rank raised first) the other's, reported
+        assert "RuntimeError: Skipping the `training_step` by returning None in distributed training" in error
