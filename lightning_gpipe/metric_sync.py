@@ -78,21 +78,24 @@ def sync_over_replicas(group: Optional[Callable[[], Optional[dist.ProcessGroup]]
 
 
 def keep_over(group: dist.ProcessGroup, holders: Iterable[object]) -> None:
-    """Give ``group`` to every torchmetrics metric without a ``process_group`` that ``holders`` keep: as attributes,
-    in lists, tuples and dicts, or inside modules (a ``MetricCollection``).
+    """Give ``group`` to every torchmetrics metric without a ``process_group`` that ``holders`` keep: a module's own
+    (a ``MetricCollection`` included), or an object's attributes, also in lists, tuples and dicts.
 
-    Called at teardown on the callbacks, after which :func:`sync_over_replicas` ends (a later run in this process,
-    with another strategy, must sync as torchmetrics does): the stages' metrics still hold equal states then, so a
-    metric the script computes once ``fit`` returned (a callback's confusion matrix) still counts each sample once.
+    The strategy calls it on the LightningModule at setup, and on the callbacks at teardown, after which
+    :func:`sync_over_replicas` ends (a later run in this process, with another strategy, must sync as torchmetrics
+    does): the stages' metrics still hold equal states then, so a metric the script computes once ``fit`` returned (a
+    callback's confusion matrix) still counts each sample once.
     """
-    for metric in _metrics_in(list(holders), depth=3):
+    modules = [h for h in holders if isinstance(h, nn.Module)]
+    attributes = [v for h in holders if not isinstance(h, nn.Module) for v in getattr(h, "__dict__", {}).values()]
+    for metric in _metrics_in([*modules, *attributes], depth=2):
         if metric.process_group is None:
             metric.process_group = group
 
 
 def _metrics_in(values: list[Any], depth: int) -> Iterator[torchmetrics.Metric]:
-    """The metrics among ``values`` and what they hold, ``depth`` containers down (objects other than containers and
-    modules are entered at the first level only: a callback's attributes, not the trainer it may keep)."""
+    """The metrics among ``values``: in modules, and in lists, tuples, sets and dicts ``depth`` levels down (not in
+    other objects: a callback's attributes are read, not the trainer it may keep)."""
     for value in values:
         if isinstance(value, nn.Module):
             yield from (m for m in value.modules() if isinstance(m, torchmetrics.Metric))
@@ -100,8 +103,6 @@ def _metrics_in(values: list[Any], depth: int) -> Iterator[torchmetrics.Metric]:
             yield from _metrics_in(list(value), depth - 1)
         elif depth > 0 and isinstance(value, dict):
             yield from _metrics_in(list(value.values()), depth - 1)
-        elif depth == 3 and hasattr(value, "__dict__"):
-            yield from _metrics_in(list(vars(value).values()), depth - 1)
 
 
 def _gather(result: Tensor, group: Optional[Any] = None) -> list[Tensor]:

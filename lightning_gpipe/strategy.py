@@ -18,7 +18,6 @@ from typing import Any, Callable, Literal, NoReturn, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torchmetrics
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -1014,10 +1013,7 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._mesh is None or module is None:
             return
-        group = self._mesh.get_group("dp")
-        for metric in module.modules():
-            if isinstance(metric, torchmetrics.Metric) and metric.process_group is None:
-                metric.process_group = group
+        metric_sync.keep_over(self._mesh.get_group("dp"), [module])
         # and the metrics outside the module (a callback's, one built in a hook), until teardown
         metric_sync.sync_over_replicas(lambda: self.replica_group)
 

@@ -317,7 +317,7 @@ def _leaf_digest(value: Any, depth: int) -> int:
     name = zlib.crc32(type(value).__qualname__.encode())
     attributes = getattr(value, "__dict__", None)
     if depth > 0 and isinstance(attributes, dict) and not callable(value):
-        return name ^ _digest(dict(attributes), depth - 1)
+        return name ^ _digest(attributes, depth - 1)
     return name
 
 

@@ -69,9 +69,8 @@ def refuse_own_forward(module: nn.Sequential, name: str = "The backbone") -> Non
     the Sequential's own ``forward``. A subclass that adds a residual around every layer, or passes two inputs
     along, would train as a plain chain: every shape can still fit, and nothing else would tell.
     """
-    own = type(module).forward
-    if own is not nn.Sequential.forward:
-        cls = type(module)
+    cls = type(module)
+    if cls.forward is not nn.Sequential.forward:
         raise TypeError(
             f"{name} is a {cls.__name__}, a subclass of nn.Sequential with its own forward "
             f"({cls.__module__}.{cls.__qualname__}.forward). The pipeline runs the layers one after another as "
