@@ -72,11 +72,21 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
         iteration = "no error"
     except TypeError as error:
         iteration = str(error)
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    # whether the output requires grad, as on one device: only where something before it does
+    pipe.requires_grad_(False)
+    frozen = {"everything": pipe({"x": x.detach(), "scale": 2.0}).requires_grad}
+    frozen["but the input"] = pipe({"x": x.detach().requires_grad_(), "scale": 2.0}).requires_grad
+    pipe.requires_grad_(rank == 1)
+    frozen["but the last stage"] = pipe({"x": x.detach(), "scale": 2.0}).requires_grad
+    pipe.requires_grad_(rank == 0)
+    frozen["but the first stage"] = pipe({"x": x.detach(), "scale": 2.0}).requires_grad
     result = {
+        "frozen": frozen,
         "iteration": iteration,
         "started_from_rank_zero": pipe.started_from_rank_zero,
         "loss": loss.item(),
-        "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+        "grads": grads,
         "input_grad": x.grad.clone(),
         "lightning_imported": any(
             m == "lightning" or m.startswith("lightning.") for m in sys.modules if sys.modules[m] is not None

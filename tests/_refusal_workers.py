@@ -48,3 +48,17 @@ def skipped_steps(rank: int, world_size: int) -> None:
     torch.set_num_threads(1)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
     trainer.fit(SkipsOddSteps(), M.loader())
+
+
+class Frozen(M.Net):
+    """Every parameter frozen (a model loaded for evaluation, then fitted by mistake): nothing can train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requires_grad_(False)
+
+
+def frozen_fit(rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
+    trainer.fit(Frozen(), M.loader())

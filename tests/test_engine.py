@@ -29,6 +29,10 @@ def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightnin
         assert not results[rank]["lightning_imported"]
         # the gradient of the pipeline's input reaches every stage (a layer before the pipe needs it)
         torch.testing.assert_close(results[rank]["input_grad"], ref_input_grad, atol=1e-6, rtol=0)
+        # the output requires grad where one process's would: not behind a frozen backbone and a plain input
+        # (it did, so a loss of it alone ran a drain that trained nothing where one device fails at the backward)
+        expected = {"everything": False, "but the input": True, "but the last stage": True, "but the first stage": True}
+        assert results[rank]["frozen"] == expected
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=0)
     # iterating a partitioned backbone would see some layers on some ranks only: refused on every rank
@@ -218,8 +222,12 @@ def test_a_layer_named_like_an_attribute_of_the_pipeline_is_refused_naming_it_an
         GPipe(nn.Sequential(OrderedDict(embed=nn.Linear(2, 2), stage=nn.Tanh())))
     with pytest.raises(ValueError, match=r"named `gather`, a name the pipeline uses for an attribute of its own"):
         GPipe(nn.Sequential(OrderedDict(gather=nn.Linear(2, 2))))
+    with pytest.raises(ValueError, match=r"named `elsewhere`, a name the pipeline uses .*a stage copy's"):
+        GPipe(nn.Sequential(OrderedDict(embed=nn.Linear(2, 2), elsewhere=nn.Tanh())))  # a StageCopy's attribute
     pipe = GPipe(_named(), chunks=2)  # what the list must hold: every attribute a built pipe set beyond nn.Module's
     assert set(vars(pipe)) - set(vars(nn.Module())) - set(_CALL_HOOKS) <= OWN_ATTRIBUTES
+    copy = StageCopy(_named(), [2, 1], 0, lambda obj, to_all=True: [obj])  # and a weight average's stage copy
+    assert set(vars(copy)) - set(vars(nn.Module())) <= OWN_ATTRIBUTES
 
 
 def test_a_first_training_batch_smaller_than_chunks_warns_once_naming_the_fix():

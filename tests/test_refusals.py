@@ -125,3 +125,15 @@ def test_a_training_step_that_returns_none_is_refused_by_lightning_on_every_rank
     assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
     for error in outcome.errors:  # its own, or (had the other rank raised first) the other's, reported
         assert "RuntimeError: Skipping the `training_step` by returning None in distributed training" in error
+
+
+def test_fitting_a_model_with_nothing_to_train_fails_at_the_backward_on_every_rank_as_on_one_device():
+    # the pipeline's output required grad whatever was frozen: the loss backpropagated into a drain that trained
+    # nothing, and the fit ran to its end where one device fails at the first backward
+    nothing = "RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn"
+    with pytest.raises(RuntimeError, match=nothing.removeprefix("RuntimeError: ")):
+        L.Trainer(devices=1, **M.trainer_kwargs(max_steps=1)).fit(W.Frozen(), M.loader())
+    outcome = run_processes(W.frozen_fit, 2, timeout=120)
+    assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
+    for error in outcome.errors:  # its own, or the other rank's, reported
+        assert nothing in error

@@ -29,6 +29,7 @@ from lightning_gpipe.engine.partition import (
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.skip import SkipRoutes, StageSkips, find_skips
 from lightning_gpipe.engine.stage import StageRunner
+from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import TiedCopies, keep_stage
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 from lightning_gpipe.engine.tracer import Tracer
@@ -81,8 +82,9 @@ def refuse_own_forward(module: nn.Sequential, name: str = "The backbone") -> Non
         )
 
 
-#: The attributes a ``GPipe`` sets on itself: a layer under one of these names (or a method's) could not be kept under
-#: its own name beside them (``tests/test_engine.py`` checks that this lists every attribute a built pipe has).
+#: The attributes a ``GPipe`` (or a weight average's ``StageCopy``) sets on itself: a layer under one of these names
+#: (or a method's) could not be kept under its own name beside them (``tests/test_engine.py`` checks that this lists
+#: every attribute a built pipe and a stage copy have).
 OWN_ATTRIBUTES = frozenset(
     {
         "_all_layers",
@@ -95,6 +97,8 @@ OWN_ATTRIBUTES = frozenset(
         "balance",
         "board",
         "device",
+        "elsewhere",  # a StageCopy's
+        "gather",  # a StageCopy's (and a GPipe method)
         "group",
         "layer_names",
         "layout",
@@ -119,11 +123,12 @@ def refuse_reserved_names(names: Sequence[str]) -> None:
     ``stage`` or ``device`` would clash with the pipeline's own attribute of that name.
     """
     for index, name in enumerate(names):
-        if name in OWN_ATTRIBUTES or hasattr(GPipe, name):
+        if name in OWN_ATTRIBUTES or hasattr(GPipe, name) or hasattr(StageCopy, name):
             raise ValueError(
                 f"Layer {index} of the backbone is named `{name}`, a name the pipeline uses for an attribute of its "
-                f"own (`GPipe.{name}`). Each stage keeps its layers under their names in the Sequential, so that "
-                f"parameter names and checkpoint keys read as on one device. Rename the layer (e.g. `{name}_`)."
+                f"own (`GPipe.{name}`, or a stage copy's). Each stage keeps its layers under their names in the "
+                "Sequential, so that parameter names and checkpoint keys read as on one device. "
+                f"Rename the layer (e.g. `{name}_`)."
             )
 
 

@@ -61,6 +61,8 @@ class _Run:
     skips_out: list[Optional[Bundles]] = field(default_factory=list)  # skips sent, by destination; None: checkpointed
     skip_out_grad: list[dict[int, bool]] = field(default_factory=list)  # which destinations send gradients back
     input_needs_grad: bool = False
+    #: per tensor of the pipeline's output: whether it requires grad, as it would on one device (see ``_share``)
+    output_grad: list[bool] = field(default_factory=list)
     first_inputs: FirstStageInputs = field(default_factory=FirstStageInputs)  # the first stage's input leaves
 
 
@@ -233,6 +235,7 @@ class StageRunner:
         micro_inputs = microbatch.split(batch, sizes) if self.is_first else []
         needs_grad = train and any(p.requires_grad for p in self._modules.parameters())
         outputs: list[tuple[Tensor, ...]] = []
+        output_grad: dict[bool, list[list[bool]]] = {True: [], False: []}  # by whether the flags were seen
         structures: list[Structure] = []
         with micro_batches(count):  # a DeferredBatchNorm commits after the last micro-batch of this call
             for task in fill_drain(count, self.checkpoint)[0]:
@@ -283,6 +286,9 @@ class StageRunner:
                     run.skip_out_grad.append({dst: any(flags) for dst, flags in skip_flags.items()})
                 if self.is_last:
                     outputs.append(tuple(t.detach() for t in y))
+                    # where the layers ran with autograd, the flags they made; under recompute, the ones foreseen
+                    seen = train and not recompute
+                    output_grad[seen].append([t.requires_grad for t in y] if seen else out_flags)
                     structures.append(structure)
                 else:
                     tag = Tag("forward", call, i, run.label, fingerprint)
@@ -290,7 +296,13 @@ class StageRunner:
                 for dst, values in leaving.items():  # after the activations: the order every receiver expects
                     self._send(self.ranks[dst], values, skip_flags[dst], True, skip_tag)
         run.sizes = sizes
-        return self._share(outputs, structures, Tag("output", call, -1, run.label))
+        values, structure, run.output_grad = self._share(
+            outputs,
+            [any(flags) for flags in zip(*(output_grad[True] or output_grad[False]))],
+            structures,
+            Tag("output", call, -1, run.label),
+        )
+        return values, structure
 
     def _sample_check_due(self, sizes: list[int]) -> bool:
         """Whether this call checks the layers per sample: the first that cuts the batch (with ``chunks=1`` nothing is
@@ -382,20 +394,23 @@ class StageRunner:
             )
 
     def _share(
-        self, outputs: list[tuple[Tensor, ...]], structures: list[Structure], tag: Tag
-    ) -> tuple[tuple[Tensor, ...], Structure]:
-        """The last stage joins the micro-batch outputs and sends them to every other stage."""
+        self, outputs: list[tuple[Tensor, ...]], grad: list[bool], structures: list[Structure], tag: Tag
+    ) -> tuple[tuple[Tensor, ...], Structure, list[bool]]:
+        """The last stage joins the micro-batch outputs and sends them to every other stage, with ``grad``: which of
+        them require grad. Every rank then marks the others as not differentiable, so that where nothing before them
+        requires grad (a frozen backbone, its input a plain tensor) they do not either, as on one device: a loss made
+        of them alone then fails at its backward, as there, instead of running a drain that trains nothing."""
         if self.is_last:
             values, structure = microbatch.gather(outputs), self._one_structure(structures)
             for rank in self.ranks[:-1]:
-                self._send(rank, values, [False] * len(values), structure, tag)
+                self._send(rank, values, grad, structure, tag)
         else:
             message = self._recv(self.ranks[-1], tag)
-            values, structure = message.tensors(), message.structure
+            values, structure, grad = message.tensors(), message.structure, list(message.requires_grad)
         if self.channels is not None:
             with self._span("wait"):
                 self.channels.flush()
-        return values, structure
+        return values, structure, grad
 
     def _one_structure(self, structures: list[Structure]) -> Structure:
         """The backbone output's structure. The micro-batches' outputs join tensor by tensor, so a value beside the
@@ -557,9 +572,10 @@ class _Bridge(torch.autograd.Function):
         ctx.runner, ctx.run, ctx.num_leaves = runner, run, len(leaves)
         ctx.anchor = torch.autograd.graph.get_gradient_edge(anchor).node  # which backward reaches it: see backward
         ctx.set_materialize_grads(False)
-        non_float = [v for v in values if not v.is_floating_point()]
-        if non_float:
-            ctx.mark_non_differentiable(*non_float)
+        # as on one device: an output that nothing requiring grad made (see StageRunner._share) does not require it
+        constant = [v for v, g in zip(values, run.output_grad) if not (g and v.is_floating_point())]
+        if constant:
+            ctx.mark_non_differentiable(*constant)
         return values
 
     @staticmethod
