@@ -324,6 +324,43 @@ def backbone_called_twice() -> Scenario:
     return Scenario(Twice())
 
 
+class _ToSpectrum(nn.Module):
+    """A linear layer, then the spectrum of its output: complex activations leave this layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.fft.rfft(self.linear(x).tanh(), dim=-1)
+
+
+class _SpectralMix(nn.Module):
+    """A complex weight per frequency, as in a Fourier neural operator's layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(9, dtype=torch.complex64) * 0.3)
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z + z * self.weight
+
+
+class _FromSpectrum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, CLASSES)
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.linear(torch.fft.irfft(z, n=16, dim=-1))
+
+
+def complex_activations() -> Scenario:
+    # every boundary of this backbone carries a complex tensor; clipped by norm (a complex weight's |g| counts)
+    backbone = nn.Sequential(_ToSpectrum(), _SpectralMix(), _SpectralMix(), _SpectralMix(), _FromSpectrum())
+    return Scenario(Base(backbone), trainer={"gradient_clip_val": 0.5})
+
+
 class Split(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x, x.tanh()
@@ -858,6 +895,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         backbone_called_twice,
         tuples_across_stages,
         structures_across_stages,
+        complex_activations,
         dataclass_batches,
         lr_finder,
         throughput_monitor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -63,8 +64,15 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
     dist.init_process_group("gloo")
     # each process draws its own weights, as an unseeded script run once per process does: the pipe trains
     # rank 0's (the reference's), as DDP's replicas would
-    pipe = GPipe(model(seed=rank), balance, chunks=chunks, checkpoint="except_last")
+    sequential = model(seed=rank)
+    kept = {"net": sequential}  # a reference of the user's, kept before the split
+    pipe = GPipe(sequential, balance, chunks=chunks, checkpoint="except_last")
     x, y = data()
+    try:
+        kept["net"]({"x": x, "scale": 2.0})
+        aside = "no error"
+    except RuntimeError as error:
+        aside = str(error)
     loss = F.cross_entropy(pipe({"x": x, "scale": 2.0}), y)
     loss.backward()
     try:
@@ -82,6 +90,7 @@ def plain_pipeline(rank: int, world_size: int, balance: list[int], chunks: int) 
     pipe.requires_grad_(rank == 0)
     frozen["but the first stage"] = pipe({"x": x.detach(), "scale": 2.0}).requires_grad
     result = {
+        "aside": aside,
         "frozen": frozen,
         "iteration": iteration,
         "started_from_rank_zero": pipe.started_from_rank_zero,
@@ -127,18 +136,25 @@ class State:
     value: Tensor
     positive: Tensor
     note: str = "state"
+    spectrum: Optional[Tensor] = None  # complex: gradients cross a boundary in it too
 
 
 class ToCarry(nn.Module):
     def forward(self, d):
-        return Carry(d["x"], State(d["x"].tanh(), d["x"] > 0))  # a namedtuple around a dataclass with a bool tensor
+        spectrum = torch.fft.rfft(d["x"], dim=-1)  # as a spectral layer's
+        return Carry(d["x"], State(d["x"].tanh(), d["x"] > 0, spectrum=spectrum))  # a namedtuple around a dataclass
 
 
 class CarryBlock(_Linear):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(5, dtype=torch.complex64) * 0.3)  # a complex weight on the spectrum
+
     def forward(self, carry):
         state = carry.state
-        x = torch.tanh(self.linear(carry.x)) + state.value * state.positive
-        return Carry(x, State(state.value, state.positive))
+        spectrum = state.spectrum * self.mix
+        x = torch.tanh(self.linear(carry.x)) + state.value * state.positive + torch.fft.irfft(spectrum, n=8)
+        return Carry(x, State(state.value, state.positive, spectrum=spectrum))
 
 
 class Out(_Linear):

@@ -62,3 +62,20 @@ def frozen_fit(rank: int, world_size: int) -> None:
     torch.set_num_threads(1)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
     trainer.fit(Frozen(), M.loader())
+
+
+class KeptReference(M.Net):
+    """Keeps the backbone in a plain dict (not a submodule) and calls it through that reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nets = {"backbone": self.backbone}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.nets["backbone"](x))
+
+
+def kept_reference(rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
+    trainer.fit(KeptReference(), M.loader())

@@ -72,6 +72,20 @@ def test_clipping_matches_torch_clip_grad_norm_on_the_same_parameters():
     assert _norm(own + replicated).item() == pytest.approx(1.0, rel=1e-5)
 
 
+def test_clipping_complex_gradients_matches_torch_and_returns_a_real_norm():
+    # a complex weight (a spectral layer's) made the joined norm complex, and clipping failed: "clamp is not supported
+    # for complex types", where torch's clip_grad_norm_ counts |g| and clips
+    own = _params(4) + [nn.Parameter(torch.randn(3, dtype=torch.complex64))]
+    own[-1].grad = torch.randn(3, dtype=torch.complex64) * 3
+    reference = _clones(own)
+    total = clip_grad_norm_(own, 1.0, own, count_replicated=True, group=None)
+    expected = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    assert total.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(total, expected, atol=1e-6, rtol=1e-7)
+    for p, q in zip(own, reference):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-7)
+
+
 def test_clipping_scales_every_gradient_by_the_same_factor_counted_or_not():
     own, replicated, copies = _params(5, 3), _params(4, seed=1), _params(3, seed=2)
     frozen = nn.Parameter(torch.ones(2))

@@ -70,6 +70,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "backbone_called_twice",
         "tuples_across_stages",
         "structures_across_stages",
+        "complex_activations",
         "dataclass_batches",
         "unseeded_initial_weights",
         "unseeded_data_split",

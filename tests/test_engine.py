@@ -33,6 +33,10 @@ def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightnin
         # (it did, so a loss of it alone ran a drain that trained nothing where one device fails at the backward)
         expected = {"everything": False, "but the input": True, "but the last stage": True, "but the first stage": True}
         assert results[rank]["frozen"] == expected
+        # the Sequential called through a reference kept before the split: torch's "Tensor on device meta is not on
+        # the expected device" before, which named no cause
+        assert results[rank]["aside"].startswith("The backbone's nn.Sequential was called directly, through a")
+        assert "(`self.backbone(x)`, looked up at each call)" in results[rank]["aside"]
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=0)
     # iterating a partitioned backbone would see some layers on some ranks only: refused on every rank
@@ -136,7 +140,8 @@ def test_a_backbone_output_with_a_value_beside_its_tensors_is_refused_naming_the
 
 def test_dicts_namedtuples_dataclasses_and_constants_cross_every_boundary_as_in_one_process():
     # every boundary of this backbone carries a structure (a dict with None and a float, a namedtuple around a
-    # dataclass with a bool tensor and a string), and so does its output (a dict with an int tensor and a None)
+    # dataclass with a bool tensor, a string and a complex spectrum), and so does its output (a dict with an int tensor
+    # and a None). A complex tensor counted as not differentiable: the stages before it got no gradient through it
     from _engine_workers import structured_pipeline, structured_reference
 
     ref_loss, ref_grads, ref_positive = structured_reference()

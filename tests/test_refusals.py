@@ -137,3 +137,11 @@ def test_fitting_a_model_with_nothing_to_train_fails_at_the_backward_on_every_ra
     assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
     for error in outcome.errors:  # its own, or the other rank's, reported
         assert nothing in error
+
+
+def test_the_sequential_called_through_a_reference_kept_before_the_split_stops_every_rank_naming_the_fix():
+    # it ran this stage's layers and met the others on `meta`: "Tensor on device meta is not on the expected device"
+    outcome = run_processes(W.kept_reference, 2, timeout=120)
+    assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
+    for error in outcome.errors:  # its own, or the other rank's, reported
+        assert "The backbone's nn.Sequential was called directly, through a reference kept before it was split" in error

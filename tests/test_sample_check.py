@@ -141,6 +141,10 @@ def test_each_half_is_replaced_by_the_other_and_the_mismatch_is_the_kept_rows_re
     half = torch.ones(2, 3, dtype=torch.bfloat16)
     assert mismatch(half, half * 2, 2, keep_first=True) == (1.0, 1e-2)
     assert mismatch((torch.ones(2),), torch.ones(2), 2, keep_first=True) == (0.0, 1.0)  # other forms: nothing compared
+    spectrum = torch.tensor([[1 + 1j], [2 + 0j]], dtype=torch.complex64)  # complex: its real and imaginary parts
+    moved = torch.tensor([[1 + 1j], [2 + 2j]], dtype=torch.complex64)
+    assert mismatch(spectrum, moved, 2, keep_first=True)[0] == 0.0
+    assert mismatch(spectrum, moved, 2, keep_first=False) == (pytest.approx(1.0), 1e-3)  # |(0, 2)| / |(2, 0)|
 
 
 class Noise(nn.Module):

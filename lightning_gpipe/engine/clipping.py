@@ -118,10 +118,10 @@ def joined_norm(
     p = check_norm_type(norm_type)
     device = grads[0].device if grads else (device or torch.device("cpu"))
     dtype = torch.float32
-    if grads:
-        dtype = grads[0].dtype
+    if grads:  # a norm is real: a complex gradient (a spectral layer's weight) counts as its real dtype, as in torch
+        dtype = grads[0].dtype.to_real()
         for g in grads[1:]:
-            dtype = torch.promote_types(dtype, g.dtype)
+            dtype = torch.promote_types(dtype, g.dtype.to_real())
     accumulate = torch.float32 if device.type == "mps" else torch.float64
     share = torch.zeros((), dtype=accumulate, device=device)
     for part in (own, shared if count_replicated else []):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
 
 from lightning_gpipe.engine import distributed, microbatch
 from lightning_gpipe.engine.channels import Channels
@@ -88,6 +89,7 @@ def refuse_own_forward(module: nn.Sequential, name: str = "The backbone") -> Non
 OWN_ATTRIBUTES = frozenset(
     {
         "_all_layers",
+        "_aside",
         "_full",
         "_is_full_backward_hook",
         "_layer_index",
@@ -186,6 +188,25 @@ _CALL_HOOKS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+
+
+#: The guard each Sequential split into an open pipeline carries (see ``_called_aside``), by Sequential.
+_ASIDE: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+def _called_aside(module: nn.Module, args: Any) -> None:
+    """Stops a call of the Sequential a pipeline was built from, made through a reference the caller kept (in a dict,
+    a list, a closure) instead of through the pipeline: it holds only this stage's layers (the others are on ``meta``,
+    where torch's error names no cause) and would run apart from the other stages, past the gradient exchange."""
+    if not isinstance(module, GPipe):
+        raise RuntimeError(
+            "The backbone's nn.Sequential was called directly, through a reference kept before it was split into "
+            "the pipeline's stages (in a dict or a list, a closure, ...). "
+            "The pipeline has taken its place on the module: the Sequential object now holds only this stage's "
+            "layers (the others are on `meta`). Call the backbone through the module's attribute "
+            "(`self.backbone(x)`, looked up at each call), or keep its name instead of the object "
+            "(`getattr(self, name)`). Once the fit ends the Sequential is whole again."
+        )
 
 
 class GPipe(nn.Module):
@@ -304,6 +325,14 @@ class GPipe(nn.Module):
         )
         ties = keep_stage(self, module, self.balance, self.stage, self.device)
         self._full = [module]  # in a list, so that it is not a submodule: only the own stage is registered
+        #: calls of the Sequential itself, reached through a reference kept elsewhere, stop with the reason (the pipe
+        #: shares its hook dicts, so the hook sees the pipe's own calls too, and lets them pass)
+        self._aside: Optional[RemovableHandle] = None
+        stale = _ASIDE.pop(module, None)  # a guard left by a pipeline that ended in a failure, without close()
+        if stale is not None:
+            stale.remove()
+        if world > 1:
+            self._aside = _ASIDE[module] = module.register_forward_pre_hook(_called_aside, prepend=True)
         self._own_board = board is None
         self.board = board or FailureBoard.for_default_group(self.describe, namespace="lightning_gpipe")
         if self._own_board:
@@ -605,6 +634,10 @@ class GPipe(nn.Module):
     def close(self) -> None:
         """Shut the links between stages down; collective, call on every process of the job."""
         _live.discard(self)
+        if self._aside is not None:  # the Sequential is whole again (reassembled) or given back as it is
+            self._aside.remove()
+            self._aside = None
+            _ASIDE.pop(self._full[0], None)
         if self.has_peers:
             assert self.runner.channels is not None
             self.runner.channels.close()

@@ -135,6 +135,8 @@ def mismatch(reference: Any, other: Any, size: int, keep_first: bool) -> tuple[f
     if len(ours) != len(theirs):
         return worst, tolerance
     for a, b in zip(ours, theirs):
+        if a.is_complex() and b.is_complex():  # a spectrum: compared as its real and imaginary parts
+            a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
         if not (a.is_floating_point() and per_sample(a, size) and a.shape == b.shape and a.dtype == b.dtype):
             continue
         kept, moved = a[rows].double(), b[rows].double()

@@ -43,6 +43,12 @@ __all__ = ["StageRunner"]
 _EVAL_CALLS = 1 << 62  # evaluation calls key their random streams from here on
 
 
+def differentiable(t: Tensor) -> bool:
+    """Whether autograd can carry a gradient for ``t``: floating point, or complex (a spectral layer's ``rfft``
+    output crossing a boundary; counted with the integers before, it cut the gradient to the stages before it)."""
+    return t.is_floating_point() or t.is_complex()
+
+
 @dataclass
 class _Run:
     """What one training forward leaves behind for its backward."""
@@ -272,8 +278,8 @@ class StageRunner:
                 for dst, values in leaving.items():
                     self._check_batch_dim(values, sizes[i], skip_to=dst)
                 grad_flows = train and (needs_grad or any(in_flags) or any(skip_in_grad.values()))
-                out_flags = [grad_flows and t.is_floating_point() for t in y]
-                skip_flags = {dst: [grad_flows and t.is_floating_point() for t in v] for dst, v in leaving.items()}
+                out_flags = [grad_flows and differentiable(t) for t in y]
+                skip_flags = {dst: [grad_flows and differentiable(t) for t in v] for dst, v in leaving.items()}
                 if train:
                     run.inputs.append(x)
                     run.outputs.append(None if recompute else y)
@@ -573,7 +579,7 @@ class _Bridge(torch.autograd.Function):
         ctx.anchor = torch.autograd.graph.get_gradient_edge(anchor).node  # which backward reaches it: see backward
         ctx.set_materialize_grads(False)
         # as on one device: an output that nothing requiring grad made (see StageRunner._share) does not require it
-        constant = [v for v, g in zip(values, run.output_grad) if not (g and v.is_floating_point())]
+        constant = [v for v, g in zip(values, run.output_grad) if not (g and differentiable(v))]
         if constant:
             ctx.mark_non_differentiable(*constant)
         return values
