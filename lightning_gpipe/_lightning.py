@@ -690,3 +690,17 @@ def restore_finetuning_param_groups(
             if index in saved:
                 optimizer.param_groups = local_groups(saved[index])
         callback._restarting = False
+
+
+def replace_sigterm_notifier(trainer: "pl.Trainer", notifier: Optional[Callable[[int, Any], None]]) -> None:
+    """Make ``notifier`` what the Trainer's SIGTERM handler calls first (``None``: Lightning's own again).
+
+    Private: ``_SignalConnector._sigterm_notifier_fn``, looked up when the Trainer registers its handlers (after the
+    strategy's ``setup``); an instance attribute takes the method's place. Lightning has no public hook for what
+    SIGTERM does, and its notifier broadcasts from inside the signal handler (see :mod:`lightning_gpipe.sigterm`).
+    """
+    connector = trainer._signal_connector
+    if notifier is None:
+        vars(connector).pop("_sigterm_notifier_fn", None)
+    else:
+        connector._sigterm_notifier_fn = notifier  # type: ignore[method-assign,assignment]

@@ -122,6 +122,7 @@ from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 from lightning_gpipe.prediction_writers import write_once_per_pipeline
+from lightning_gpipe.sigterm import SigtermStop
 from lightning_gpipe.stop_together import StopTogether
 
 __all__ = ["GPipeStrategy"]
@@ -358,6 +359,7 @@ class GPipeStrategy(ParallelStrategy):
         self._saved_model_keys: Optional[list[str]] = (
             None  # a sharded checkpoint's model keys (each stage reads its own)
         )
+        self._sigterm = SigtermStop()  # a SIGTERM stops every rank at one step (see lightning_gpipe.sigterm)
         self._copies: list[tuple[nn.Module, str, StageCopy]] = []  # weight averages' backbones: (owner, attribute, cut)
         self._mirrors: list[str] = []  # copies of the backbone outside it, by path (see _copies_of_the_backbone)
 
@@ -717,6 +719,7 @@ class GPipeStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self._last_loss = None
+        self._sigterm.install(trainer)  # before the Trainer registers its signal handlers
         refusals.fp16_scaler(self.precision_plugin)
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
         assert self.lightning_module is not None
@@ -780,10 +783,13 @@ class GPipeStrategy(ParallelStrategy):
         if not self._active():
             return should_stop
         state = get_rng_state(self.root_device, everything=True)
-        mine = torch.tensor([int(should_stop), digest(state)], dtype=torch.int64, device=self.root_device)
+        noted = int(self._sigterm.noted)
+        mine = torch.tensor([int(should_stop), digest(state), noted], dtype=torch.int64, device=self.root_device)
         votes = distributed.all_gather(mine, watch=self._watch("a decision of every rank (stop or go on)"))
         if self.pipe is not None and self.pipe.group is not None:
             self._take_first_stages_state(votes[self.pipe.ranks, 1], state)
+        if bool(votes[:, 2].any()):  # a rank got SIGTERM: every rank's loop now stops at the same point
+            self._sigterm.agree()
         return bool(votes[:, 0].any())
 
     def _agree_before_step(self) -> None:
@@ -1523,6 +1529,8 @@ class GPipeStrategy(ParallelStrategy):
         Returns the error to raise instead: the one a background check of this rank found, when the
         exception is only how the blocked call it found ended (a peer closed the connection).
         """
+        if self._sigterm.is_agreed_stop(exception):  # raised by every rank at one point: their collectives meet
+            return None
         self._failed = True
         board = self._board
         if board is not None:
@@ -1566,6 +1574,7 @@ class GPipeStrategy(ParallelStrategy):
             self.pipe.close()
         self._copies = []
         self.pipe = None
+        self._sigterm.uninstall()
         trainer = self._trainer()
         if trainer is not None and self._mesh is not None:  # their metrics, computed after `fit`, count samples once
             metric_sync.keep_over(self._mesh.get_group("dp"), trainer.callbacks)  # type: ignore[attr-defined]

@@ -1,6 +1,7 @@
 """Ordinary Lightning code that used to hang or train silently wrong under a pipeline; each runs in K processes.
 
-Every scenario ends in a failed ``fit`` on every rank: the tests check how fast and with what message.
+Every scenario ends in a failed ``fit`` on every rank (or, for SIGTERM, a stop of every rank at one step): the
+tests check how fast and with what message.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import signal
 import tempfile
 from typing import Any, Callable
 
@@ -550,3 +552,30 @@ def sequence_first_fit(rank: int, world_size: int, check: bool) -> None:
     L.seed_everything(0, verbose=False)
     strategy = GPipeStrategy(chunks=2, balance=[2, 2], check_per_sample=check)
     L.Trainer(strategy=strategy, devices=world_size, **M.trainer_kwargs(max_steps=2)).fit(SequenceFirst(), M.loader())
+
+
+class TermAt(Callback):
+    """Sends SIGTERM to its own process at the end of training batch ``batch`` on ``ranks`` (a scheduler's preemption
+    reaches every process; a ``kill`` may reach one)."""
+
+    def __init__(self, ranks: list[int], batch: int) -> None:
+        self.ranks, self.batch, self.sent = ranks, batch, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.batch and trainer.global_rank in self.ranks and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def terminated(ranks: list[int], directory: str) -> None:
+    """A fit under Lightning's popen launcher, with OnExceptionCheckpoint, that SIGTERM ends at batch 2 of epoch 0."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    callbacks = [TermAt(ranks, 2), OnExceptionCheckpoint(directory)]
+    settings = M.trainer_kwargs(callbacks=callbacks, enable_checkpointing=True, max_steps=-1, max_epochs=20)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=2, **settings)
+    try:
+        trainer.fit(M.Net(), M.loader())
+    finally:
+        print(f"rank {trainer.global_rank} stopped after step {trainer.global_step}", flush=True)

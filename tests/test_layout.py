@@ -23,6 +23,7 @@ LAYERS = {
     "stop_together": set(),
     "prediction_writers": set(),
     "metric_sync": set(),
+    "sigterm": {"_lightning"},
     "strategy": {
         "refusals",
         "engine",
@@ -33,6 +34,7 @@ LAYERS = {
         "stop_together",
         "prediction_writers",
         "metric_sync",
+        "sigterm",
     },
     "monitor.callback": {"engine", "monitor.timer", "monitor.timeline", "_lightning", "strategy"},
     "refusals": {"engine"},

@@ -103,6 +103,21 @@ def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_wit
     assert not glob.glob(str(tmp_path / "ckpt" / "*"))
 
 
+@pytest.mark.parametrize("ranks", [[0, 1], [1]], ids=["every process", "stage 1 only"])
+def test_sigterm_stops_every_rank_at_one_step_and_on_exception_checkpoint_saves_the_whole_model(tmp_path, ranks):
+    # Lightning's handler broadcast from inside the signal handler: the job ended after 30-36 s through the deadlock
+    # or out-of-step check, blaming a rank-zero-only callback, and no checkpoint was written
+    directory = tmp_path / "ckpt"
+    result, seconds = _under_the_default_launcher(tmp_path, f"terminated({ranks}, {str(directory)!r})")
+    assert result.returncode == 0, result.stderr[-3000:]  # SIGTERMException, a SystemExit without a code: as one device
+    assert seconds < BOUND
+    stops = sorted(line for line in result.stdout.splitlines() if " stopped after step " in line)
+    assert stops == ["rank 0 stopped after step 3", "rank 1 stopped after step 3"], result.stdout[-2000:]
+    saved = torch.load(directory / "on_exception.ckpt", weights_only=False)
+    assert saved["global_step"] == 3
+    M.Net().load_state_dict(saved["state_dict"])  # the whole model, every stage's layers
+
+
 @pytest.mark.parametrize(
     "cause",
     ["unseeded random", "per-rank iterable", "loaders of unequal lengths", "unseeded text", "unseeded batch object"],
