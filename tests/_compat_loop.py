@@ -358,6 +358,26 @@ def groups_by_position() -> Scenario:
     return Scenario(GroupsByPosition())
 
 
+class GroupsByDepth(Base):
+    """Layer-wise learning-rate decay, as fine-tuning recipes build it: a param group per depth, read from each
+    parameter's name in ``named_parameters()``, at a base rate scaled by the model's size (``self.parameters()``)."""
+
+    def configure_optimizers(self) -> Any:
+        size = sum(p.numel() for p in self.parameters())  # the whole model's, as on one device
+        depths: dict[int, list[Any]] = {}
+        for name, p in self.named_parameters():
+            depths.setdefault(int(name.split(".")[1]), []).append(p)
+        top = max(depths)
+        groups = [{"params": ps, "lr": 3.0 / size**0.5 * 0.6 ** (top - d)} for d, ps in sorted(depths.items())]
+        return torch.optim.AdamW(groups, weight_decay=0.05)
+
+
+def groups_by_depth() -> Scenario:
+    # named_parameters() listed this stage's parameters alone: each stage built as many groups as it held depths
+    # (refused: "different numbers of param groups"), and a rate scaled by the size counted one stage
+    return Scenario(GroupsByDepth())
+
+
 class NamedLayers(Base):
     """A backbone built from an ``OrderedDict``: param groups chosen by parameter name and by attribute, as one device
     selects them; the names every rank sees and the keys of the checkpoint it writes are recorded."""
@@ -447,6 +467,7 @@ SCENARIOS = {
         lstm_in_backbone,
         lstm_single_samples,
         groups_by_position,
+        groups_by_depth,
         named_layers,
         time_limit,
         epoch_ended_by_the_hook,

@@ -114,7 +114,15 @@ class Net(L.LightningModule):
             self.first_grads = {n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None}
 
     def configure_optimizers(self):
-        self.optimized = [n for n, _ in self.named_parameters()]  # what the optimizer is given on this rank
+        optimizer = self._optimizer()
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        # what the optimizer holds on this rank (named_parameters() lists the whole model while it is built)
+        self.optimized = [n for n, p in self.named_parameters() if id(p) in held]
+        if not self.scheduler:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.7)}
+
+    def _optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
         elif self.optimizer_name == "adamw":  # decays every parameter with a gradient, a zero one too (not None)
@@ -123,9 +131,7 @@ class Net(L.LightningModule):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         else:
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        if not self.scheduler:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.7)}
+        return optimizer
 
 
 def trainer_kwargs(**overrides) -> dict:

@@ -187,11 +187,13 @@ def different_batches(rank: int, world_size: int, cause: str) -> None:
 
 
 class RateBySize(M.Net):
-    """A learning rate scaled by the model's size, counted over ``self.parameters()``: this rank's stage in a fit."""
+    """A learning rate scaled by the model's size, counted over ``self.parameters()`` once training starts: this
+    rank's stage in a fit (inside ``configure_optimizers`` the count is the whole model's, as on one device)."""
 
-    def configure_optimizers(self):
+    def on_train_start(self):
         size = sum(p.numel() for p in self.parameters())
-        return torch.optim.SGD(self.parameters(), lr=1.0 / size**0.5)
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = 1.0 / size**0.5
 
 
 class HalveRateOnRankZero(Callback):

@@ -120,6 +120,7 @@ def test_feature_trains_as_on_one_device(name, runs):
         "lstm_in_backbone",
         "lstm_single_samples",
         "groups_by_position",
+        "groups_by_depth",
         "epoch_ended_by_the_hook",
     ],
 )

@@ -661,14 +661,22 @@ class GPipe(nn.Module):
     def all_layers(self) -> Iterator[None]:
         """Within, indexing, slicing and iterating reach every layer, another stage's as its ``meta`` copy
         (parameters without values), instead of raising: for the code that builds the optimizers, which selects
-        layers by position on one device (``self.backbone[-1].parameters()``, a param group per layer). Every
-        stage then builds the same param groups; the strategy drops the ``meta`` parameters from them
-        (:func:`~lightning_gpipe.engine.optimizers.accept_empty_parameter_lists`)."""
+        layers by position on one device (``self.backbone[-1].parameters()``, a param group per layer). The
+        pipeline's submodules are every layer too, in the Sequential's order, so ``named_parameters()`` and
+        ``parameters()`` (of the LightningModule as well) list the whole model under its one-device names: param
+        groups built by name (a rate per depth) and values counted over them (a rate scaled by the model's size)
+        come out as on one device. Every stage then builds the same param groups; the strategy drops the ``meta``
+        parameters from them (:func:`~lightning_gpipe.engine.optimizers.accept_empty_parameter_lists`)."""
+        own = self._modules
+        if self._all_layers == 0 and self.layout.pipe_size > 1:
+            whole = OrderedDict((name, self._layer(i)) for i, name in enumerate(self.layer_names))
+            self._modules = whole  # type: ignore[assignment]
         self._all_layers += 1
         try:
             yield
         finally:
             self._all_layers -= 1
+            self._modules = own
 
     def __iter__(self) -> Iterator[nn.Module]:
         if self.layout.pipe_size == 1:
