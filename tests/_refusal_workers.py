@@ -44,24 +44,12 @@ class SkipsOddSteps(M.Net):
         return None if batch_idx % 2 else loss
 
 
-def skipped_steps(rank: int, world_size: int) -> None:
-    torch.set_num_threads(1)
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
-    trainer.fit(SkipsOddSteps(), M.loader())
-
-
 class Frozen(M.Net):
     """Every parameter frozen (a model loaded for evaluation, then fitted by mistake): nothing can train."""
 
     def __init__(self) -> None:
         super().__init__()
         self.requires_grad_(False)
-
-
-def frozen_fit(rank: int, world_size: int) -> None:
-    torch.set_num_threads(1)
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
-    trainer.fit(Frozen(), M.loader())
 
 
 class KeptReference(M.Net):
@@ -75,7 +63,11 @@ class KeptReference(M.Net):
         return self.head(self.nets["backbone"](x))
 
 
-def kept_reference(rank: int, world_size: int) -> None:
+MODELS = {"skipped steps": SkipsOddSteps, "frozen": Frozen, "kept reference": KeptReference}
+
+
+def fit(rank: int, world_size: int, model: str) -> None:
+    """Fits ``MODELS[model]`` at K = ``world_size``, 2 micro-batches."""
     torch.set_num_threads(1)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs())
-    trainer.fit(KeptReference(), M.loader())
+    trainer.fit(MODELS[model](), M.loader())

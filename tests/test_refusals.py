@@ -121,7 +121,7 @@ def test_selecting_a_layer_another_stage_holds_stops_every_rank_naming_the_layer
 def test_a_training_step_that_returns_none_is_refused_by_lightning_on_every_rank():
     # Lightning refuses a skipped step whenever the job has several processes (as under DDP), after the backbone ran:
     # every rank must end, none waiting in the drain of the call it made
-    outcome = run_processes(W.skipped_steps, 2, timeout=120)
+    outcome = run_processes(W.fit, 2, "skipped steps", timeout=120)
     assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
     for error in outcome.errors:  # its own, or (had the other rank raised first) the other's, reported
         assert "RuntimeError: Skipping the `training_step` by returning None in distributed training" in error
@@ -133,7 +133,7 @@ def test_fitting_a_model_with_nothing_to_train_fails_at_the_backward_on_every_ra
     nothing = "RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn"
     with pytest.raises(RuntimeError, match=nothing.removeprefix("RuntimeError: ")):
         L.Trainer(devices=1, **M.trainer_kwargs(max_steps=1)).fit(W.Frozen(), M.loader())
-    outcome = run_processes(W.frozen_fit, 2, timeout=120)
+    outcome = run_processes(W.fit, 2, "frozen", timeout=120)
     assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
     for error in outcome.errors:  # its own, or the other rank's, reported
         assert nothing in error
@@ -141,7 +141,7 @@ def test_fitting_a_model_with_nothing_to_train_fails_at_the_backward_on_every_ra
 
 def test_the_sequential_called_through_a_reference_kept_before_the_split_stops_every_rank_naming_the_fix():
     # it ran this stage's layers and met the others on `meta`: "Tensor on device meta is not on the expected device"
-    outcome = run_processes(W.kept_reference, 2, timeout=120)
+    outcome = run_processes(W.fit, 2, "kept reference", timeout=120)
     assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
     for error in outcome.errors:  # its own, or the other rank's, reported
         assert "The backbone's nn.Sequential was called directly, through a reference kept before it was split" in error
