@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from types import FrameType
-from typing import Any, Optional
+from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
@@ -72,7 +72,7 @@ class SigtermStop:
         point, so it is not a failure to tell the other ranks of."""
         return self.agreed and isinstance(exception, SIGTERMException)
 
-    def install(self, trainer: Any) -> None:
+    def install(self, trainer: pl.Trainer) -> None:
         """Take the place of Lightning's notifier, before the Trainer registers its signal handlers."""
         self.trainer = trainer
         self.noted = self.agreed = False

@@ -11,7 +11,7 @@ from _engine_workers import plain_pipeline, reference
 from torch import nn
 
 from lightning_gpipe import GPipe
-from lightning_gpipe.engine.pipe import _CALL_HOOKS, OWN_ATTRIBUTES
+from lightning_gpipe.engine.pipe import _CALL_HOOKS, OWN_ATTRIBUTES, _called_aside
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import find_ties
 from lightning_gpipe.launch import run_ok
@@ -233,6 +233,15 @@ def test_a_layer_named_like_an_attribute_of_the_pipeline_is_refused_naming_it_an
     assert set(vars(pipe)) - set(vars(nn.Module())) - set(_CALL_HOOKS) <= OWN_ATTRIBUTES
     copy = StageCopy(_named(), [2, 1], 0, lambda obj, to_all=True: [obj])  # and a weight average's stage copy
     assert set(vars(copy)) - set(vars(nn.Module())) <= OWN_ATTRIBUTES
+
+
+def test_a_guard_left_by_a_pipeline_that_never_closed_is_dropped_by_the_next_pipeline_of_the_sequential():
+    sequential = nn.Sequential(nn.Linear(2, 2))
+    sequential.register_forward_pre_hook(_called_aside, prepend=True)  # as a failed pipeline of 2 stages leaves it
+    with pytest.raises(RuntimeError, match="The backbone's nn.Sequential was called directly"):
+        sequential(torch.zeros(1, 2))
+    GPipe(sequential).close()  # one process: no guard of its own
+    torch.testing.assert_close(sequential(torch.zeros(1, 2)), sequential[0](torch.zeros(1, 2)))
 
 
 def test_a_first_training_batch_smaller_than_chunks_warns_once_naming_the_fix():

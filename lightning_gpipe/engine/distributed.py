@@ -205,7 +205,8 @@ class _GatherWithGradients(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
         if not is_distributed():
             return grad[0], None, None
-        total = all_reduce(grad.contiguous().clone(), group=ctx.group, watch=ctx.watch)  # every rank's use of each row
+        rows = grad.clone(memory_format=torch.contiguous_format)  # reduced in place
+        total = all_reduce(rows, group=ctx.group, watch=ctx.watch)  # every rank's use of each row
         return total[ctx.index], None, None
 
 

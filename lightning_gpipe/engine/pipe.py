@@ -190,10 +190,6 @@ _CALL_HOOKS = (
 )
 
 
-#: The guard each Sequential split into an open pipeline carries (see ``_called_aside``), by Sequential.
-_ASIDE: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
-
-
 def _called_aside(module: nn.Module, args: Any) -> None:
     """Stops a call of the Sequential a pipeline was built from, made through a reference the caller kept (in a dict,
     a list, a closure) instead of through the pipeline: it holds only this stage's layers (the others are on ``meta``,
@@ -327,12 +323,11 @@ class GPipe(nn.Module):
         self._full = [module]  # in a list, so that it is not a submodule: only the own stage is registered
         #: calls of the Sequential itself, reached through a reference kept elsewhere, stop with the reason (the pipe
         #: shares its hook dicts, so the hook sees the pipe's own calls too, and lets them pass)
+        for key in [k for k, hook in module._forward_pre_hooks.items() if hook is _called_aside]:
+            del module._forward_pre_hooks[key]  # left by a pipeline that ended in a failure, without close()
         self._aside: Optional[RemovableHandle] = None
-        stale = _ASIDE.pop(module, None)  # a guard left by a pipeline that ended in a failure, without close()
-        if stale is not None:
-            stale.remove()
         if world > 1:
-            self._aside = _ASIDE[module] = module.register_forward_pre_hook(_called_aside, prepend=True)
+            self._aside = module.register_forward_pre_hook(_called_aside, prepend=True)
         self._own_board = board is None
         self.board = board or FailureBoard.for_default_group(self.describe, namespace="lightning_gpipe")
         if self._own_board:
@@ -637,7 +632,6 @@ class GPipe(nn.Module):
         if self._aside is not None:  # the Sequential is whole again (reassembled) or given back as it is
             self._aside.remove()
             self._aside = None
-            _ASIDE.pop(self._full[0], None)
         if self.has_peers:
             assert self.runner.channels is not None
             self.runner.channels.close()
