@@ -704,3 +704,40 @@ def replace_sigterm_notifier(trainer: "pl.Trainer", notifier: Optional[Callable[
         vars(connector).pop("_sigterm_notifier_fn", None)
     else:
         connector._sigterm_notifier_fn = notifier  # type: ignore[method-assign,assignment]
+
+
+def replace_requeue_handler(trainer: "pl.Trainer", handler: Optional[Callable[[int, Any], None]]) -> None:
+    """Make ``handler`` what the Trainer runs on SLURM's requeue signal (``None``: Lightning's own again).
+
+    Private: ``_SignalConnector._slurm_sigusr_handler_fn``, looked up when the Trainer registers its handlers, as
+    for :func:`replace_sigterm_notifier`. Lightning's handler saves a checkpoint from inside the signal handler (see
+    :mod:`lightning_gpipe.requeue`), and ``SLURMEnvironment`` offers no other way to run it.
+    """
+    connector = trainer._signal_connector
+    if handler is None:
+        vars(connector).pop("_slurm_sigusr_handler_fn", None)
+    else:
+        connector._slurm_sigusr_handler_fn = handler  # type: ignore[method-assign,assignment]
+
+
+def hpc_save_path(trainer: "pl.Trainer") -> str:
+    """The next ``hpc_ckpt_<n>.ckpt`` in the Trainer's root directory, as Lightning's requeue handler names it."""
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+def requeue_as_lightning_does(trainer: "pl.Trainer", signum: int, path: str) -> None:
+    """Lightning's own requeue handler (finalize the loggers, save ``path``, ``scontrol requeue`` on rank 0), run
+    outside a signal handler, with the checkpoint path given.
+
+    Private: ``_SignalConnector._slurm_sigusr_handler_fn`` (the original, from the class) and the checkpoint
+    connector's ``hpc_save_path``, which the handler calls to number the file. Each rank numbers it from the files it
+    sees, so a rank that looks after rank 0 wrote would pick the next number; every rank takes rank 0's ``path``.
+    """
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    checkpoints = trainer._checkpoint_connector
+    vars(checkpoints)["hpc_save_path"] = lambda folder: path
+    try:
+        _SignalConnector._slurm_sigusr_handler_fn(trainer._signal_connector, signum, None)  # type: ignore[arg-type]
+    finally:
+        vars(checkpoints).pop("hpc_save_path", None)

@@ -122,6 +122,7 @@ from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 from lightning_gpipe.prediction_writers import write_once_per_pipeline
+from lightning_gpipe.requeue import RequeueTogether
 from lightning_gpipe.sigterm import SigtermStop
 from lightning_gpipe.stop_together import StopTogether
 
@@ -360,6 +361,7 @@ class GPipeStrategy(ParallelStrategy):
             None  # a sharded checkpoint's model keys (each stage reads its own)
         )
         self._sigterm = SigtermStop()  # a SIGTERM stops every rank at one step (see lightning_gpipe.sigterm)
+        self._requeue = RequeueTogether()  # SLURM's requeue signal acts at one step (see lightning_gpipe.requeue)
         self._copies: list[tuple[nn.Module, str, StageCopy]] = []  # weight averages' backbones: (owner, attribute, cut)
         self._mirrors: list[str] = []  # copies of the backbone outside it, by path (see _copies_of_the_backbone)
 
@@ -720,6 +722,7 @@ class GPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self._last_loss = None
         self._sigterm.install(trainer)  # before the Trainer registers its signal handlers
+        self._requeue.install(trainer, self.cluster_environment, self.world_size)
         refusals.fp16_scaler(self.precision_plugin)
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
         assert self.lightning_module is not None
@@ -783,14 +786,25 @@ class GPipeStrategy(ParallelStrategy):
         if not self._active():
             return should_stop
         state = get_rng_state(self.root_device, everything=True)
-        noted = int(self._sigterm.noted)
-        mine = torch.tensor([int(should_stop), digest(state), noted], dtype=torch.int64, device=self.root_device)
+        noted = [int(self._sigterm.noted), int(self._requeue.noted)]
+        mine = torch.tensor([int(should_stop), digest(state), *noted], dtype=torch.int64, device=self.root_device)
         votes = distributed.all_gather(mine, watch=self._watch("a decision of every rank (stop or go on)"))
         if self.pipe is not None and self.pipe.group is not None:
             self._take_first_stages_state(votes[self.pipe.ranks, 1], state)
+        if bool(votes[:, 3].any()):  # a rank got SLURM's requeue signal: every rank saves and requeues here
+            self._requeue.run(self._from_rank_zero)
         if bool(votes[:, 2].any()):  # a rank got SIGTERM: every rank's loop now stops at the same point
             self._sigterm.agree()
         return bool(votes[:, 0].any())
+
+    def _requeue_at_the_end(self) -> None:
+        """At the end of ``validate``, ``test`` or ``predict``, where no stop decision is shared: every rank acts
+        on a requeue signal that any rank got during the run (see :mod:`lightning_gpipe.requeue`); collective."""
+        if not (self._requeue.installed and self._active()):
+            return
+        mine = torch.tensor([int(self._requeue.noted)], dtype=torch.int64, device=self.root_device)
+        if bool(distributed.all_gather(mine, watch=self._watch("the requeue signal, at the end of the run")).any()):
+            self._requeue.run(self._from_rank_zero)
 
     def _agree_before_step(self) -> None:
         """Before each ``training_step``: make the stages' random states and outer layers one, check their optimizer
@@ -1276,8 +1290,20 @@ class GPipeStrategy(ParallelStrategy):
         trainer = self._trainer()
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # after the callbacks' and module's hooks
             trainer.should_stop = self._any_stops(trainer.should_stop)
+        else:
+            self._requeue_at_the_end()
         if self._tally is not None:
             self._tally.paused = False
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._requeue_at_the_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._requeue_at_the_end()
 
     def _check_balance(self) -> None:
         """Time each stage's compute in training batches 2 to 5 (0 and 1 warm up: allocations, lazy setup),
@@ -1575,6 +1601,7 @@ class GPipeStrategy(ParallelStrategy):
         self._copies = []
         self.pipe = None
         self._sigterm.uninstall()
+        self._requeue.uninstall()
         trainer = self._trainer()
         if trainer is not None and self._mesh is not None:  # their metrics, computed after `fit`, count samples once
             metric_sync.keep_over(self._mesh.get_group("dp"), trainer.callbacks)  # type: ignore[attr-defined]

@@ -581,3 +581,86 @@ def terminated(ranks: list[int], directory: str) -> None:
         trainer.fit(M.Net(), M.loader())
     finally:
         print(f"rank {trainer.global_rank} stopped after step {trainer.global_step}", flush=True)
+
+
+class SignalAt(Callback):
+    """Sends ``signum`` to its own process on ``ranks``: at the end of training batch ``batch``, or, with ``forward``,
+    from inside the backbone's first layer during that batch's forward (wherever the signal finds a process)."""
+
+    def __init__(self, signum: int, ranks: list[int], batch: int, forward: bool = False) -> None:
+        self.signum, self.ranks, self.batch, self.forward, self.sent = signum, ranks, batch, forward, False
+
+    def _send(self) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.forward and batch_idx == self.batch and trainer.global_rank == 0 and 0 in self.ranks:
+            # stage 0 holds the layer: the signal comes in the middle of the first micro-batch's forward
+            def send(*args: Any) -> None:
+                self._send()
+                handle.remove()
+
+            handle = pl_module.backbone[0].register_forward_hook(send)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        in_forward = self.forward and trainer.global_rank == 0  # sent during the batch already
+        if batch_idx == self.batch and trainer.global_rank in self.ranks and not in_forward:
+            self._send()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.training and batch_idx == self.batch and trainer.global_rank in self.ranks:
+            self._send()
+
+
+def on_slurm(rank: int, world_size: int, directory: str) -> None:
+    """This process as ``srun`` starts a task of a 1-node job, with a ``scontrol`` that writes down its arguments."""
+    tools = os.path.join(directory, "bin")
+    os.makedirs(tools, exist_ok=True)
+    with open(os.path.join(tools, "scontrol"), "w") as script:
+        script.write(f'#!/bin/sh\necho "$@" >> {os.path.join(directory, "scontrol.log")}\n')
+    os.chmod(os.path.join(tools, "scontrol"), 0o755)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(name, None)  # torchrun's, which Lightning would take first; the main address and port stay
+    os.environ.update(
+        SLURM_NTASKS=str(world_size),
+        SLURM_NTASKS_PER_NODE=str(world_size),
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank),
+        SLURM_NODEID="0",
+        SLURM_NNODES="1",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="train",
+        SLURM_NODELIST="127.0.0.1",
+        PATH=tools + os.pathsep + os.environ.get("PATH", ""),
+    )
+
+
+def requeued(rank: int, world_size: int, directory: str, signaled: list[int], forward: bool) -> dict:
+    """An Adam fit of 6 steps on SLURM (auto-requeue, Lightning's default there) whose requeue signal reaches
+    ``signaled`` during training batch 2; without ``signaled``, the relaunch, which resumes from the HPC checkpoint.
+    Then, on a first run, a ``validate`` whose signal comes at validation batch 1 of stage 1."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_gpipe import GPipeStrategy
+
+    on_slurm(rank, world_size, directory)
+    L.seed_everything(0, verbose=False)
+    model = M.Net(optimizer="adam")
+    callbacks = [SignalAt(signal.SIGUSR1, signaled, 2, forward)] if signaled else []
+    settings = M.trainer_kwargs(callbacks=callbacks, max_steps=6, default_root_dir=directory)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, balance=[3, 4]), devices=world_size, **settings)
+    assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
+    trainer.fit(model, M.loader())
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    if signaled:
+        validating = L.Trainer(
+            strategy=GPipeStrategy(chunks=2, balance=[3, 4]),
+            devices=world_size,
+            **M.trainer_kwargs(
+                callbacks=[SignalAt(signal.SIGUSR1, [1], 1)], default_root_dir=directory, limit_val_batches=3
+            ),
+        )
+        validating.validate(model, M.loader(shuffle=False))
+    return {"weights": weights, "steps": trainer.global_step, "ran": len(model.losses)}

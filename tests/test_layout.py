@@ -24,6 +24,7 @@ LAYERS = {
     "prediction_writers": set(),
     "metric_sync": set(),
     "sigterm": {"_lightning"},
+    "requeue": {"_lightning"},
     "strategy": {
         "refusals",
         "engine",
@@ -35,6 +36,7 @@ LAYERS = {
         "prediction_writers",
         "metric_sync",
         "sigterm",
+        "requeue",
     },
     "monitor.callback": {"engine", "monitor.timer", "monitor.timeline", "_lightning", "strategy"},
     "refusals": {"engine"},

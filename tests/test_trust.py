@@ -120,6 +120,35 @@ def test_sigterm_stops_every_rank_at_one_step_and_on_exception_checkpoint_saves_
 
 
 @pytest.mark.parametrize(
+    "signaled, forward",
+    [([0, 1], True), ([1], False)],
+    ids=["every process, stage 0 in a forward pass and stage 1 at the batch's end", "stage 1 only"],
+)
+def test_slurms_requeue_signal_saves_one_step_of_every_stage_requeues_once_and_the_relaunch_resumes_exactly(
+    tmp_path, signaled, forward
+):
+    # Lightning's handler saved the checkpoint from inside the signal handler, wherever it found each rank: stage 1
+    # alone, or the ranks at different points, entered a collective the other did not (a gloo abort or a hang)
+    directory = str(tmp_path)
+    first = run_processes(W.requeued, 2, directory, signaled, forward, timeout=BOUND)
+    assert first.exitcodes == [0, 0], first.errors
+    saved = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
+    assert saved["global_step"] == 3  # the end of batch 2, the step every rank was at
+    assert {int(s["step"]) for s in saved["optimizer_states"][0]["state"].values()} == {3}  # every stage's Adam
+    assert len(saved["optimizer_states"][0]["state"]) == len(list(M.Net().parameters()))
+    # then the validate run's signal, acted on at its end: rank 0's scontrol, once per signal
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n" * 2
+    assert (tmp_path / "hpc_ckpt_2.ckpt").exists()
+    if forward:
+        (tmp_path / "hpc_ckpt_2.ckpt").unlink()
+        relaunch = run_processes(W.requeued, 2, directory, [], False, timeout=BOUND)
+        assert relaunch.exitcodes == [0, 0], relaunch.errors
+        assert [r["ran"] for r in relaunch.results] == [3, 3]  # steps 3 to 5: resumed from the HPC checkpoint
+        for name, value in first.results[0]["weights"].items():
+            assert torch.equal(relaunch.results[1]["weights"][name], value), name
+
+
+@pytest.mark.parametrize(
     "cause",
     ["unseeded random", "per-rank iterable", "loaders of unequal lengths", "unseeded text", "unseeded batch object"],
 )
