@@ -8,12 +8,11 @@ in it only where the signal found each of them at a matching point: measured on 
 ``srun`` starts them and the signal sent to both, a run without sleeps ended at once with a gloo abort ("Received
 data size doesn't match expected size. Is there a distributed collective mismatch"), which named no cause.
 
-Here the handler only notes the signal. During a fit the job's stop decision (:mod:`~lightning_gpipe.stop_together`'s
-gather, at the end of each training batch, epoch and validation) carries the note, like a SIGTERM's
-(:mod:`~lightning_gpipe.sigterm`); once any rank has one, every rank runs Lightning's handler at that same point, with
-rank 0's checkpoint path. The checkpoint then holds one step on every stage and resumes exactly. Outside a fit
-(``validate``, ``test``, ``predict``) the ranks decide at the end of the run. The job goes on afterwards, as under
-Lightning, until SLURM ends it.
+Here the handler only notes the signal. The gathers that carry a SIGTERM's note (:mod:`~lightning_gpipe.sigterm`: the
+stop decision at the end of each training batch, epoch and validation, and the end of each validation, test and
+predict batch) carry this one too; once any rank has one, every rank runs Lightning's handler at that same point, with
+rank 0's checkpoint path. The checkpoint then holds one step on every stage and resumes exactly. The job goes on
+afterwards, as under Lightning, until SLURM ends it.
 """
 
 from __future__ import annotations

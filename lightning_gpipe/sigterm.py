@@ -10,9 +10,11 @@ process, the same.
 
 Here the handler only notes the signal (and forwards it to the launcher's children, as Lightning's does). The job's
 stop decision (:mod:`~lightning_gpipe.stop_together`'s gather, at the end of each training batch, epoch and
-validation) carries the note; once any rank has one, every rank sets Lightning's flag at that same point, so each
-raises ``SIGTERMException`` at the same place of its loop. That exception is then no failure: the ranks' collectives
-still meet, so ``OnExceptionCheckpoint`` writes the whole model and the backbone is put back together, as on one device.
+validation), and a gather at the end of each validation, test and predict batch, carry the note; once any rank has
+one, every rank sets Lightning's flag at that same point, so each raises ``SIGTERMException`` at the same place of its
+loop (the next training batch, or the next evaluation batch, as one device does; the predict loop reads no flag).
+That exception is then no failure: the ranks' collectives still meet, so ``OnExceptionCheckpoint`` writes the whole
+model and the backbone is put back together, as on one device.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_gpipe import _lightning
@@ -55,11 +56,6 @@ class SigtermStop:
         self.noted = True
         if trainer.world_size == 1:  # no decision to share
             self.agree()
-        elif trainer.state.fn != TrainerFn.FITTING:
-            # No stop decision is shared outside a fit (validate, test, predict): Lightning's own flag, read by each
-            # rank's loop at its next batch. Ranks that read it at different batches end as in a failure: the first
-            # to stop tells the others, which end at once, naming the SIGTERM.
-            trainer._signal_connector.received_sigterm = True
 
     def agree(self) -> None:
         """Every rank calls this at the same point, once any rank noted SIGTERM: the loops now stop alike."""

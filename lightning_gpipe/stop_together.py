@@ -12,6 +12,9 @@ module's and the callbacks' ``on_train_start`` and ``on_validation_end`` (hooks 
 What it cannot reach is the LightningModule's own ``on_train_batch_end`` and ``on_train_epoch_end``,
 which Lightning calls after every callback: a stop set there on some ranks only is left to
 :mod:`~lightning_gpipe.engine.deadlock`, which ends the run with an error naming the ranks' waits.
+
+At the end of each validation, test and predict batch, where the loops read no stop but do read SIGTERM's flag, it
+makes the signals any rank got (SIGTERM, SLURM's requeue signal) every rank's (see :mod:`~lightning_gpipe.sigterm`).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ __all__ = ["StopTogether"]
 
 
 class StopTogether(Callback):
-    """Replace ``trainer.should_stop`` with ``agree(trainer.should_stop)`` where the loops read it next."""
+    """Replace ``trainer.should_stop`` with ``agree(trainer.should_stop)`` where the loops read it next; call
+    ``agree_on_signals()`` after each evaluation and prediction batch."""
 
-    def __init__(self, agree: Callable[[bool], bool]) -> None:
-        self.agree = agree
+    def __init__(self, agree: Callable[[bool], bool], agree_on_signals: Callable[[], None]) -> None:
+        self.agree, self.agree_on_signals = agree, agree_on_signals
 
     def _agree(self, trainer: "pl.Trainer") -> None:
         trainer.should_stop = self.agree(trainer.should_stop)
@@ -38,3 +42,12 @@ class StopTogether(Callback):
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._agree(trainer)
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self.agree_on_signals()
+
+    def on_test_batch_end(self, *args: Any) -> None:
+        self.agree_on_signals()
+
+    def on_predict_batch_end(self, *args: Any) -> None:
+        self.agree_on_signals()

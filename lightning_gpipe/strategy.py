@@ -765,8 +765,9 @@ class GPipeStrategy(ParallelStrategy):
         write_once_per_pipeline(trainer, first_stage=self.layout.stage_of(self.global_rank) == 0)
         walk_stages_in_finetuning()
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
-        if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
-            callbacks[:] = [c for c in callbacks if not isinstance(c, StopTogether)] + [StopTogether(self._any_stops)]
+        if self.world_size > 1:
+            together = StopTogether(self._any_stops, self._agree_on_signals)
+            callbacks[:] = [c for c in callbacks if not isinstance(c, StopTogether)] + [together]
 
     def _trainer(self) -> Optional["pl.Trainer"]:
         return self.lightning_module.trainer if self.lightning_module is not None else None
@@ -786,25 +787,36 @@ class GPipeStrategy(ParallelStrategy):
         if not self._active():
             return should_stop
         state = get_rng_state(self.root_device, everything=True)
-        noted = [int(self._sigterm.noted), int(self._requeue.noted)]
-        mine = torch.tensor([int(should_stop), digest(state), *noted], dtype=torch.int64, device=self.root_device)
-        votes = distributed.all_gather(mine, watch=self._watch("a decision of every rank (stop or go on)"))
+        mine = [*self._signals(), int(should_stop), digest(state)]
+        votes = distributed.all_gather(
+            torch.tensor(mine, dtype=torch.int64, device=self.root_device),
+            watch=self._watch("a decision of every rank (stop or go on)"),
+        )
         if self.pipe is not None and self.pipe.group is not None:
-            self._take_first_stages_state(votes[self.pipe.ranks, 1], state)
-        if bool(votes[:, 3].any()):  # a rank got SLURM's requeue signal: every rank saves and requeues here
-            self._requeue.run(self._from_rank_zero)
-        if bool(votes[:, 2].any()):  # a rank got SIGTERM: every rank's loop now stops at the same point
-            self._sigterm.agree()
-        return bool(votes[:, 0].any())
+            self._take_first_stages_state(votes[self.pipe.ranks, 3], state)
+        self._act_on_signals(votes)
+        return bool(votes[:, 2].any())
 
-    def _requeue_at_the_end(self) -> None:
-        """At the end of ``validate``, ``test`` or ``predict``, where no stop decision is shared: every rank acts
-        on a requeue signal that any rank got during the run (see :mod:`lightning_gpipe.requeue`); collective."""
-        if not (self._requeue.installed and self._active()):
-            return
-        mine = torch.tensor([int(self._requeue.noted)], dtype=torch.int64, device=self.root_device)
-        if bool(distributed.all_gather(mine, watch=self._watch("the requeue signal, at the end of the run")).any()):
+    def _signals(self) -> list[int]:
+        """Whether this rank got SIGTERM and SLURM's requeue signal, not yet acted on: the first two columns of the
+        gathers that :meth:`_act_on_signals` reads."""
+        return [int(self._sigterm.noted), int(self._requeue.noted)]
+
+    def _act_on_signals(self, votes: Tensor) -> None:
+        """Every rank at the same point, once any rank got a signal: SLURM's requeue signal saves the HPC checkpoint
+        and requeues here (:mod:`lightning_gpipe.requeue`); SIGTERM makes each rank's loop stop at the same point
+        (:mod:`lightning_gpipe.sigterm`)."""
+        if bool(votes[:, 1].any()):
             self._requeue.run(self._from_rank_zero)
+        if bool(votes[:, 0].any()):
+            self._sigterm.agree()
+
+    def _agree_on_signals(self) -> None:
+        """At the end of each validation, test and predict batch (see :mod:`lightning_gpipe.stop_together`), where the
+        loops read SIGTERM's flag but share no stop decision; collective."""
+        if self._active():
+            mine = torch.tensor(self._signals(), dtype=torch.int64, device=self.root_device)
+            self._act_on_signals(distributed.all_gather(mine, watch=self._watch("the signals every rank got")))
 
     def _agree_before_step(self) -> None:
         """Before each ``training_step``: make the stages' random states and outer layers one, check their optimizer
@@ -1290,20 +1302,8 @@ class GPipeStrategy(ParallelStrategy):
         trainer = self._trainer()
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # after the callbacks' and module's hooks
             trainer.should_stop = self._any_stops(trainer.should_stop)
-        else:
-            self._requeue_at_the_end()
         if self._tally is not None:
             self._tally.paused = False
-
-    @override
-    def on_test_end(self) -> None:
-        super().on_test_end()
-        self._requeue_at_the_end()
-
-    @override
-    def on_predict_end(self) -> None:
-        super().on_predict_end()
-        self._requeue_at_the_end()
 
     def _check_balance(self) -> None:
         """Time each stage's compute in training batches 2 to 5 (0 and 1 warm up: allocations, lazy setup),

@@ -556,25 +556,12 @@ def sequence_first_fit(rank: int, world_size: int, check: bool) -> None:
     L.Trainer(strategy=strategy, devices=world_size, **M.trainer_kwargs(max_steps=2)).fit(SequenceFirst(), M.loader())
 
 
-class TermAt(Callback):
-    """Sends SIGTERM to its own process at the end of training batch ``batch`` on ``ranks`` (a scheduler's preemption
-    reaches every process; a ``kill`` may reach one)."""
-
-    def __init__(self, ranks: list[int], batch: int) -> None:
-        self.ranks, self.batch, self.sent = ranks, batch, False
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx == self.batch and trainer.global_rank in self.ranks and not self.sent:
-            self.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def terminated(ranks: list[int], directory: str) -> None:
     """A fit under Lightning's popen launcher, with OnExceptionCheckpoint, that SIGTERM ends at batch 2 of epoch 0."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    callbacks = [TermAt(ranks, 2), OnExceptionCheckpoint(directory)]
+    callbacks = [SignalAt(signal.SIGTERM, ranks, 2), OnExceptionCheckpoint(directory)]
     settings = M.trainer_kwargs(callbacks=callbacks, enable_checkpointing=True, max_steps=-1, max_epochs=20)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=2, **settings)
     try:
@@ -584,11 +571,16 @@ def terminated(ranks: list[int], directory: str) -> None:
 
 
 class SignalAt(Callback):
-    """Sends ``signum`` to its own process on ``ranks``: at the end of training batch ``batch``, or, with ``forward``,
-    from inside the backbone's first layer during that batch's forward (wherever the signal finds a process)."""
+    """Sends ``signum`` to its own process on ``ranks`` (a scheduler's signal reaches every process; a ``kill`` may
+    reach one): at the end of training batch ``batch``; with ``forward``, on rank 0, from inside the backbone's first
+    layer during that batch's forward instead (wherever the signal finds the process); or at the end of the
+    ``validation``-th validation batch of the run (counted over its validations)."""
 
-    def __init__(self, signum: int, ranks: list[int], batch: int, forward: bool = False) -> None:
-        self.signum, self.ranks, self.batch, self.forward, self.sent = signum, ranks, batch, forward, False
+    def __init__(
+        self, signum: int, ranks: list[int], batch: int = -1, forward: bool = False, validation: int = 0
+    ) -> None:
+        self.signum, self.ranks, self.batch, self.forward, self.validation = signum, ranks, batch, forward, validation
+        self.sent, self.validated = False, 0
 
     def _send(self) -> None:
         if not self.sent:
@@ -609,8 +601,9 @@ class SignalAt(Callback):
         if batch_idx == self.batch and trainer.global_rank in self.ranks and not in_forward:
             self._send()
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if not trainer.training and batch_idx == self.batch and trainer.global_rank in self.ranks:
+    def on_validation_batch_end(self, trainer, *args: Any) -> None:
+        self.validated += 1
+        if self.validated == self.validation and trainer.global_rank in self.ranks:
             self._send()
 
 
@@ -659,8 +652,46 @@ def requeued(rank: int, world_size: int, directory: str, signaled: list[int], fo
             strategy=GPipeStrategy(chunks=2, balance=[3, 4]),
             devices=world_size,
             **M.trainer_kwargs(
-                callbacks=[SignalAt(signal.SIGUSR1, [1], 1)], default_root_dir=directory, limit_val_batches=3
+                callbacks=[SignalAt(signal.SIGUSR1, [1], validation=2)], default_root_dir=directory, limit_val_batches=3
             ),
         )
         validating.validate(model, M.loader(shuffle=False))
     return {"weights": weights, "steps": trainer.global_step, "ran": len(model.losses)}
+
+
+def terminated_in_validation(rank: int, world_size: int, directory: str, signaled: bool, resume: bool) -> dict:
+    """An Adam fit of 3 epochs of 5 batches, validated every 2 batches over 3 batches, with ``OnExceptionCheckpoint``:
+    ``signaled``, SIGTERM comes to stage 1 at the end of the second validation's second batch, and then, in a
+    ``validate``, at its second batch; ``resume``, the fit goes on from the checkpoint the first wrote."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    model, path = M.Net(optimizer="adam"), os.path.join(directory, "on_exception.ckpt")
+    callbacks: list[Callback] = [OnExceptionCheckpoint(directory)]
+    if signaled:
+        callbacks.append(SignalAt(signal.SIGTERM, [1], validation=5))
+    settings = M.trainer_kwargs(
+        callbacks=callbacks, max_steps=-1, max_epochs=3, limit_val_batches=3, enable_checkpointing=True
+    )
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2),
+        devices=world_size,
+        val_check_interval=2,
+        default_root_dir=directory,
+        **settings,
+    )
+    outcome: dict[str, Any] = {}
+    try:
+        trainer.fit(model, M.loader(), M.loader(shuffle=False), ckpt_path=path if resume else None)
+    except SystemExit as stop:
+        outcome["fit"] = f"{type(stop).__name__} at step {trainer.global_step}"
+    outcome["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
+    if signaled:
+        sender = SignalAt(signal.SIGTERM, [1], validation=2)
+        settings = M.trainer_kwargs(callbacks=[sender], limit_val_batches=4)
+        validating = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **settings)
+        try:
+            validating.validate(model, M.loader(shuffle=False))
+        except SystemExit as stop:
+            outcome["validate"] = f"{type(stop).__name__} after {sender.validated} batches"
+    return outcome

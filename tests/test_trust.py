@@ -119,6 +119,24 @@ def test_sigterm_stops_every_rank_at_one_step_and_on_exception_checkpoint_saves_
     M.Net().load_state_dict(saved["state_dict"])  # the whole model, every stage's layers
 
 
+def test_sigterm_during_a_validation_stops_every_rank_at_the_next_batch_and_the_fit_resumes_from_there_exactly(
+    tmp_path,
+):
+    # the stop waited for the validation's end (the only shared decision in it), and in a `validate` the ranks ended as
+    # after a failure (exit 1), where one device stops at the next validation batch with exit 0
+    directory = str(tmp_path)
+    stopped = run_processes(W.terminated_in_validation, 2, directory, True, False, timeout=BOUND)
+    assert stopped.exitcodes == [0, 0], stopped.errors
+    for outcome in stopped.results:  # at the end of the second validation's second batch, after step 4
+        assert outcome["fit"] == "SIGTERMException at step 4"
+        assert outcome["validate"] == "SIGTERMException after 2 batches"
+    resumed = run_processes(W.terminated_in_validation, 2, directory, False, True, timeout=BOUND)
+    whole = run_processes(W.terminated_in_validation, 2, str(tmp_path / "whole"), False, False, timeout=BOUND)
+    assert resumed.exitcodes == whole.exitcodes == [0, 0], resumed.errors + whole.errors
+    for name, value in whole.results[0]["weights"].items():
+        assert torch.equal(resumed.results[0]["weights"][name], value), name
+
+
 @pytest.mark.parametrize(
     "signaled, forward",
     [([0, 1], True), ([1], False)],
