@@ -741,3 +741,13 @@ def requeue_as_lightning_does(trainer: "pl.Trainer", signum: int, path: str) -> 
         _SignalConnector._slurm_sigusr_handler_fn(trainer._signal_connector, signum, None)  # type: ignore[arg-type]
     finally:
         vars(checkpoints).pop("hpc_save_path", None)
+
+
+def mid_accumulation(trainer: "pl.Trainer") -> bool:
+    """Whether the training batch that ran last left its gradients accumulated for a later optimizer step
+    (``accumulate_grad_batches``): a checkpoint written now would lose them, and its resume would step without them.
+
+    Private: ``_TrainingEpochLoop._should_accumulate``, Lightning's own test (the final batch of an epoch steps);
+    the loop exposes no public one.
+    """
+    return trainer.state.fn == TrainerFn.FITTING and trainer.fit_loop.epoch_loop._should_accumulate()

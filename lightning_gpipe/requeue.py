@@ -11,8 +11,9 @@ data size doesn't match expected size. Is there a distributed collective mismatc
 Here the handler only notes the signal. The gathers that carry a SIGTERM's note (:mod:`~lightning_gpipe.sigterm`: the
 stop decision at the end of each training batch, epoch and validation, and the end of each validation, test and
 predict batch) carry this one too; once any rank has one, every rank runs Lightning's handler at that same point, with
-rank 0's checkpoint path. The checkpoint then holds one step on every stage and resumes exactly. The job goes on
-afterwards, as under Lightning, until SLURM ends it.
+rank 0's checkpoint path, after an optimizer step (within ``accumulate_grad_batches``, at the batch that steps). The
+checkpoint then holds one step on every stage and resumes exactly. The job goes on afterwards, as under Lightning,
+until SLURM ends it.
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ class RequeueTogether:
     def run(self, path_from_rank_zero: Callable[[Callable[[], str]], str]) -> None:
         """Lightning's requeue handler on every rank, at the same point; collective (the checkpoint and its path).
 
+        Not while gradients wait for an optimizer step (``accumulate_grad_batches``): the checkpoint would lose them,
+        and its resume would step without them. The note stays, and the next point (the batch that steps) acts on it.
         ``path_from_rank_zero`` computes the given function on rank 0 and gives its value to every rank.
         """
         trainer = self.trainer
         assert trainer is not None
+        if _lightning.mid_accumulation(trainer):  # the same on every rank: their loops are at the same batch
+            return
         signum = self.signum if self.signum is not None else self.signal  # the rank the signal did not reach
         self.signum = None  # a later signal requeues again, as under Lightning
         path = path_from_rank_zero(lambda: _lightning.hpc_save_path(trainer))

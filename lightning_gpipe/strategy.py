@@ -804,7 +804,8 @@ class GPipeStrategy(ParallelStrategy):
 
     def _act_on_signals(self, votes: Tensor) -> None:
         """Every rank at the same point, once any rank got a signal: SLURM's requeue signal saves the HPC checkpoint
-        and requeues here (:mod:`lightning_gpipe.requeue`); SIGTERM makes each rank's loop stop at the same point
+        and requeues here, or at the next such point where no gradients wait for an optimizer step
+        (:mod:`lightning_gpipe.requeue`); SIGTERM makes each rank's loop stop at the same point
         (:mod:`lightning_gpipe.sigterm`)."""
         if bool(votes[:, 1].any()):
             self._requeue.run(self._from_rank_zero)

@@ -631,9 +631,10 @@ def on_slurm(rank: int, world_size: int, directory: str) -> None:
 
 
 def requeued(rank: int, world_size: int, directory: str, signaled: list[int], forward: bool) -> dict:
-    """An Adam fit of 6 steps on SLURM (auto-requeue, Lightning's default there) whose requeue signal reaches
-    ``signaled`` during training batch 2; without ``signaled``, the relaunch, which resumes from the HPC checkpoint.
-    Then, on a first run, a ``validate`` whose signal comes at validation batch 1 of stage 1."""
+    """An Adam fit of 6 steps of 2 accumulated batches on SLURM (auto-requeue, Lightning's default there) whose
+    requeue signal reaches ``signaled`` during training batch 2, the first of a step's two; without ``signaled``,
+    the relaunch, which resumes from the HPC checkpoint. Then, on a first run, a ``validate`` whose signal comes at
+    validation batch 1 of stage 1."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     from lightning_gpipe import GPipeStrategy
@@ -642,7 +643,7 @@ def requeued(rank: int, world_size: int, directory: str, signaled: list[int], fo
     L.seed_everything(0, verbose=False)
     model = M.Net(optimizer="adam")
     callbacks = [SignalAt(signal.SIGUSR1, signaled, 2, forward)] if signaled else []
-    settings = M.trainer_kwargs(callbacks=callbacks, max_steps=6, default_root_dir=directory)
+    settings = M.trainer_kwargs(callbacks=callbacks, max_steps=6, default_root_dir=directory, accumulate_grad_batches=2)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, balance=[3, 4]), devices=world_size, **settings)
     assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
     trainer.fit(model, M.loader())

@@ -151,8 +151,8 @@ def test_slurms_requeue_signal_saves_one_step_of_every_stage_requeues_once_and_t
     first = run_processes(W.requeued, 2, directory, signaled, forward, timeout=BOUND)
     assert first.exitcodes == [0, 0], first.errors
     saved = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
-    assert saved["global_step"] == 3  # the end of batch 2, the step every rank was at
-    assert {int(s["step"]) for s in saved["optimizer_states"][0]["state"].values()} == {3}  # every stage's Adam
+    assert saved["global_step"] == 2  # at the end of batch 3, which steps: batch 2's gradients are not lost
+    assert {int(s["step"]) for s in saved["optimizer_states"][0]["state"].values()} == {2}  # every stage's Adam
     assert len(saved["optimizer_states"][0]["state"]) == len(list(M.Net().parameters()))
     # then the validate run's signal, acted on at its end: rank 0's scontrol, once per signal
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n" * 2
@@ -161,7 +161,7 @@ def test_slurms_requeue_signal_saves_one_step_of_every_stage_requeues_once_and_t
         (tmp_path / "hpc_ckpt_2.ckpt").unlink()
         relaunch = run_processes(W.requeued, 2, directory, [], False, timeout=BOUND)
         assert relaunch.exitcodes == [0, 0], relaunch.errors
-        assert [r["ran"] for r in relaunch.results] == [3, 3]  # steps 3 to 5: resumed from the HPC checkpoint
+        assert [r["ran"] for r in relaunch.results] == [6, 6]  # the last 6 of 10 batches: resumed from the checkpoint
         for name, value in first.results[0]["weights"].items():
             assert torch.equal(relaunch.results[1]["weights"][name], value), name
 
