@@ -242,12 +242,25 @@ def dying_fit(rank: int, world_size: int, victim: int) -> None:
     trainer.fit(M.Net(), M.loader())
 
 
-def failing_fit(rank: int, world_size: int, failing_rank: int) -> None:
-    """Training where a layer at the end of stage ``failing_rank`` raises at its third call."""
+class FailsInSetup(M.Net):
+    """The module's own ``setup`` raises on one rank: before the strategy builds the pipeline."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.failing_rank = rank
+
+    def setup(self, stage: str) -> None:
+        if self.trainer.global_rank == self.failing_rank:
+            raise RuntimeError(f"boom on rank {self.failing_rank}")
+
+
+def failing_fit(rank: int, world_size: int, failing_rank: int, in_setup: bool = False) -> None:
+    """Training where a layer at the end of stage ``failing_rank`` raises at its third call; ``in_setup``: where
+    the module's ``setup`` raises there instead."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    model = M.Net()
+    model = FailsInSetup(failing_rank) if in_setup else M.Net()
     balance = {2: [4, 3], 3: [2, 3, 2]}[world_size]
     model.backbone.insert(sum(balance[: failing_rank + 1]), Boom(failing_rank, call=3))
     balance[failing_rank] += 1

@@ -11,9 +11,15 @@ import pytest
 from lightning_gpipe.launch import run_processes
 
 
-@pytest.mark.parametrize("stages, failing", [(2, 1), (3, 0), (3, 1), (3, 2)])
-def test_an_exception_in_one_stage_ends_every_rank_within_seconds(stages, failing):
-    outcome = run_processes(_sweeps.failing_fit, stages, failing, timeout=120)
+@pytest.mark.parametrize(
+    "stages, failing, in_setup",
+    [(2, 1, False), (3, 0, False), (3, 1, False), (3, 2, False), (2, 0, True)],
+    ids=["2 stages, stage 1", "3 stages, stage 0", "3 stages, stage 1", "3 stages, stage 2", "stage 0 in setup"],
+)
+def test_an_exception_in_one_stage_ends_every_rank_within_seconds(stages, failing, in_setup):
+    # in setup, before the pipeline exists: rank 0, the store's host, exited before the others had read its failure,
+    # and they said only "stage 0 (rank 0) is unreachable: the job's store ... failed"
+    outcome = run_processes(_sweeps.failing_fit, stages, failing, in_setup, timeout=120)
     assert all(code is not None for code in outcome.exitcodes), f"hung ranks: {outcome.exitcodes}"
     assert all(code != 0 for code in outcome.exitcodes), outcome.exitcodes
     assert outcome.seconds < 60  # process start-up included; the failure itself propagates in about a second

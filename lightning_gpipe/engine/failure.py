@@ -111,6 +111,7 @@ class FailureBoard:
         self._store = dist.PrefixStore(namespace, store) if store is not None else None
         self.rank, self.world_size, self.describe = rank, world_size, describe
         self._published = False
+        self._lingered = False
         self._first = False  # whether this rank's failure was the one the store kept
         self._message: Optional[str] = None  # another rank's failure, as the poller last saw it
         self._checks: list[Callable[[], Optional[str]]] = []
@@ -143,6 +144,12 @@ class FailureBoard:
         writer = threading.Thread(target=self._set_failure, args=(message,), daemon=True)
         writer.start()
         writer.join(timeout=2.0)  # a dead store must not hold the failing rank up
+        if self.rank == 0:
+            # The store's host keeps it up at its exit until the others have read the failure. The exit after a
+            # failed pipeline lingers too (exit_without_finalizers, which runs first); this one covers a failure
+            # before the pipeline exists (the module's `setup`, `configure_model`): rank 0 exited, the store with
+            # it, and the others only learnt that stage 0 was unreachable, not why.
+            atexit.register(self.linger)
 
     def add_check(self, check: Callable[[], Optional[str]]) -> None:
         """Poll ``check`` with the store: a message it returns is published as this rank's failure.
@@ -249,8 +256,9 @@ class FailureBoard:
 
     def linger(self, seconds: float = 10.0) -> None:
         """On the store's host, after a failure: give the others up to ``seconds`` to read it before exiting."""
-        if self._store is None or self.rank != 0 or not self._threads:
+        if self._store is None or self.rank != 0 or not self._threads or self._lingered:
             return
+        self._lingered = True
         deadline = time.monotonic() + seconds
         readers = self.world_size - (1 if self._first else 2)  # the rank whose failure it is does not acknowledge
         while time.monotonic() < deadline:
