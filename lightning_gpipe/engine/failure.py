@@ -30,6 +30,18 @@ __all__ = ["PipelineError", "FailureBoard", "destroy_process_groups_at_exit", "e
 
 _KEY, _ACKS = "failed", "acks"
 
+#: This process's boards that published a failure on rank 0, the store's host: at its exit it keeps the store up until
+#: the others know of it (:func:`_linger`). A process may fail several runs (one board each).
+_PUBLISHED: list["FailureBoard"] = []
+
+
+def _linger(seconds: float = 10.0) -> None:
+    """At rank 0's exit: up to ``seconds`` in all for the other ranks to read every failure this process published."""
+    deadline = time.monotonic() + seconds
+    while _PUBLISHED:
+        _PUBLISHED.pop().linger(max(0.0, deadline - time.monotonic()))
+
+
 #: Seconds without a heartbeat after which :meth:`FailureBoard.lost` names a rank as the one gone.
 SILENT = 1.0
 
@@ -60,8 +72,9 @@ def exit_without_finalizers(board: Optional["FailureBoard"] = None, code: int = 
     exit_without_finalizers._registered = True  # type: ignore[attr-defined]
 
     def _exit() -> None:
-        if board is not None:
-            board.linger()
+        if board is not None and board not in _PUBLISHED:
+            _PUBLISHED.append(board)
+        _linger()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -111,8 +124,8 @@ class FailureBoard:
         self._store = dist.PrefixStore(namespace, store) if store is not None else None
         self.rank, self.world_size, self.describe = rank, world_size, describe
         self._published = False
-        self._lingered = False
-        self._first = False  # whether this rank's failure was the one the store kept
+        self._acknowledged = False  # this rank told the store's host that it knows of the failure (it read or made one)
+        self._acknowledging = threading.Lock()  # the poller and the failure's writer both may
         self._message: Optional[str] = None  # another rank's failure, as the poller last saw it
         self._checks: list[Callable[[], Optional[str]]] = []
         self._deadlocks: Optional[DeadlockWatch] = None
@@ -145,11 +158,14 @@ class FailureBoard:
         writer.start()
         writer.join(timeout=2.0)  # a dead store must not hold the failing rank up
         if self.rank == 0:
-            # The store's host keeps it up at its exit until the others have read the failure. The exit after a
-            # failed pipeline lingers too (exit_without_finalizers, which runs first); this one covers a failure
-            # before the pipeline exists (the module's `setup`, `configure_model`): rank 0 exited, the store with
-            # it, and the others only learnt that stage 0 was unreachable, not why.
-            atexit.register(self.linger)
+            # The store's host keeps it up at its exit until the others know of the failure: also after a failure
+            # before the pipeline exists (the module's `setup`, `configure_model`), where the process exits without
+            # exit_without_finalizers. Rank 0 exited, the store with it, and the others only learnt that stage 0 was
+            # unreachable, not why.
+            if not _PUBLISHED and not getattr(_linger, "registered", False):
+                _linger.registered = True  # type: ignore[attr-defined]
+                atexit.register(_linger)
+            _PUBLISHED.append(self)
 
     def add_check(self, check: Callable[[], Optional[str]]) -> None:
         """Poll ``check`` with the store: a message it returns is published as this rank's failure.
@@ -255,12 +271,14 @@ class FailureBoard:
             thread.join(timeout=2.0)
 
     def linger(self, seconds: float = 10.0) -> None:
-        """On the store's host, after a failure: give the others up to ``seconds`` to read it before exiting."""
-        if self._store is None or self.rank != 0 or not self._threads or self._lingered:
+        """On the store's host, after a failure: give the others up to ``seconds`` to read it before exiting.
+
+        Each other rank acknowledges once, when its poller reads the failure or when it publishes one of its own (a
+        rank that failed too knows to end): where every rank failed alike, nobody waits."""
+        if self._store is None or self.rank != 0 or not self._threads:
             return
-        self._lingered = True
         deadline = time.monotonic() + seconds
-        readers = self.world_size - (1 if self._first else 2)  # the rank whose failure it is does not acknowledge
+        readers = self.world_size - 1
         while time.monotonic() < deadline:
             try:
                 if int(self._store.add(_ACKS, 0)) >= readers:
@@ -280,17 +298,23 @@ class FailureBoard:
         try:
             if self._store is None:
                 return
-            kept = self._store.compare_set(_KEY, "", message)
-            self._first = self._first or kept.decode() == message
+            self._store.compare_set(_KEY, "", message)
+            self._acknowledge(self._store)
         except Exception:  # the store itself may be gone (its host died); nothing more can be said
             pass
+
+    def _acknowledge(self, store: dist.Store) -> None:
+        """Tell the store's host (rank 0, see :meth:`linger`) that this rank knows of a failure; once."""
+        with self._acknowledging:
+            if self.rank != 0 and not self._acknowledged:
+                store.add(_ACKS, 1)
+                self._acknowledged = True
 
     def _poll(self, poll: float, failure_timeout: float) -> None:
         store = self._store
         assert store is not None
         last_seen = self._beats
         last_seen.update({r: (-1, time.monotonic()) for r in range(self.world_size) if r != self.rank})
-        acknowledged = False
         while not self._stop.wait(poll):
             self._run_checks()
             try:
@@ -299,9 +323,7 @@ class FailureBoard:
                 self._check_deadlock(store)
                 if store.check([_KEY]):
                     self._message = store.get(_KEY).decode()
-                    if not acknowledged and not self._published:
-                        store.add(_ACKS, 1)
-                        acknowledged = True
+                    self._acknowledge(store)
                 self._last_answer = time.monotonic()
             except Exception as error:  # the store's host is gone; Lightning's launchers start it with rank 0
                 if self._message is None:
