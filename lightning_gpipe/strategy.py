@@ -165,6 +165,14 @@ def _sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:
     return sorted(found, key=lambda item: -sum(p.numel() for p in item[1].parameters()))
 
 
+#: Where :meth:`GPipeStrategy._gather_decisions` was called, in its first column.
+_STOP_DECISION, _EVALUATION_BATCH = 1, 2
+_POINTS = {
+    _STOP_DECISION: "a stop decision (the start of training, the end of a training batch, an epoch or a validation)",
+    _EVALUATION_BATCH: "the end of a validation, test or predict batch",
+}
+
+
 class GPipeStrategy(ParallelStrategy):
     """Train the ``nn.Sequential`` at ``module.<backbone>`` as a GPipe pipeline, one stage per process.
 
@@ -787,20 +795,30 @@ class GPipeStrategy(ParallelStrategy):
         if not self._active():
             return should_stop
         state = get_rng_state(self.root_device, everything=True)
-        mine = [*self._signals(), int(should_stop), digest(state)]
-        votes = distributed.all_gather(
-            torch.tensor(mine, dtype=torch.int64, device=self.root_device),
-            watch=self._watch("a decision of every rank (stop or go on)"),
-        )
+        votes = self._gather_decisions(_STOP_DECISION, should_stop, digest(state))
         if self.pipe is not None and self.pipe.group is not None:
             self._take_first_stages_state(votes[self.pipe.ranks, 3], state)
         self._act_on_signals(votes)
         return bool(votes[:, 2].any())
 
-    def _signals(self) -> list[int]:
-        """Whether this rank got SIGTERM and SLURM's requeue signal, not yet acted on: the first two columns of the
-        gathers that :meth:`_act_on_signals` reads."""
-        return [int(self._sigterm.noted), int(self._requeue.noted)]
+    def _gather_decisions(self, point: int, should_stop: bool = False, state_digest: int = 0) -> Tensor:
+        """Every rank's signals (SIGTERM, SLURM's requeue signal, not yet acted on), stop vote and random-state digest,
+        one row per rank; collective. Where the ranks made it at different points (a stop decision, the end of an
+        evaluation batch), their loops ran different numbers of batches: every rank raises, naming the points."""
+        signals = [int(self._sigterm.noted), int(self._requeue.noted)]
+        mine = torch.tensor(
+            [point, *signals, int(should_stop), state_digest], dtype=torch.int64, device=self.root_device
+        )
+        votes = distributed.all_gather(mine, watch=self._watch("a decision of every rank (stop, signals)"))
+        points = votes[:, 0].tolist()
+        if len(set(points)) > 1:
+            where = ", ".join(f"{self._describe(r)} (rank {r}) at {_POINTS[p]}" for r, p in enumerate(points))
+            raise PipelineError(
+                f"The pipeline's ranks reached different points of their loops: {where}. Their loops ran different "
+                "numbers of batches (an evaluation loader of another length on some rank, `limit_val_batches` set per "
+                "rank): every stage of a pipeline must get the same batches."
+            )
+        return votes[:, 1:]
 
     def _act_on_signals(self, votes: Tensor) -> None:
         """Every rank at the same point, once any rank got a signal: SLURM's requeue signal saves the HPC checkpoint
@@ -816,8 +834,7 @@ class GPipeStrategy(ParallelStrategy):
         """At the end of each validation, test and predict batch (see :mod:`lightning_gpipe.stop_together`), where the
         loops read SIGTERM's flag but share no stop decision; collective."""
         if self._active():
-            mine = torch.tensor(self._signals(), dtype=torch.int64, device=self.root_device)
-            self._act_on_signals(distributed.all_gather(mine, watch=self._watch("the signals every rank got")))
+            self._act_on_signals(self._gather_decisions(_EVALUATION_BATCH))
 
     def _agree_before_step(self) -> None:
         """Before each ``training_step``: make the stages' random states and outer layers one, check their optimizer

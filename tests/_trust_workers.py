@@ -696,3 +696,20 @@ def terminated_in_validation(rank: int, world_size: int, directory: str, signale
         except SystemExit as stop:
             outcome["validate"] = f"{type(stop).__name__} after {sender.validated} batches"
     return outcome
+
+
+class LogsInputs(M.Net):
+    """A validation that does not call the backbone (it logs a statistic of the inputs)."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("mean_input", batch[0].mean())
+
+
+def validations_of_different_lengths(rank: int, world_size: int) -> None:
+    """A fit whose validation loader holds 5 batches on rank 0 and 3 on the others; no backbone call in it."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    settings = M.trainer_kwargs(limit_val_batches=None, use_distributed_sampler=False)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **settings)
+    trainer.fit(LogsInputs(), M.loader(), M.loader(samples=40 if rank == 0 else 24))

@@ -137,6 +137,17 @@ def test_sigterm_during_a_validation_stops_every_rank_at_the_next_batch_and_the_
         assert torch.equal(resumed.results[0]["weights"][name], value), name
 
 
+def test_validations_of_different_lengths_end_every_rank_naming_where_each_stood():
+    # with no backbone call in the validation to catch it, one rank's gather at the end of a validation batch met
+    # another's stop decision: gloo aborted rank 0 (SIGABRT) and rank 1 said only that stage 0 was unreachable
+    outcome = run_processes(W.validations_of_different_lengths, 2, timeout=BOUND)
+    _assert_all_ended_with_errors(outcome)
+    for error in outcome.errors:
+        assert error.startswith("PipelineError: The pipeline's ranks reached different points of their loops:"), error
+        assert "stage 0 (rank 0) at the end of a validation, test or predict batch" in error
+        assert "stage 1 (rank 1) at a stop decision" in error
+
+
 @pytest.mark.parametrize(
     "signaled, forward",
     [([0, 1], True), ([1], False)],
