@@ -167,6 +167,8 @@ def _sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:
 
 #: Where :meth:`GPipeStrategy._gather_decisions` was called, in its first column.
 _STOP_DECISION, _EVALUATION_BATCH = 1, 2
+#: What a rank waits for in it, as the deadlock and failure messages say.
+_DOING = {_STOP_DECISION: "a decision of every rank (stop or go on)", _EVALUATION_BATCH: "the signals every rank got"}
 _POINTS = {
     _STOP_DECISION: "a stop decision (the start of training, the end of a training batch, an epoch or a validation)",
     _EVALUATION_BATCH: "the end of a validation, test or predict batch",
@@ -809,7 +811,7 @@ class GPipeStrategy(ParallelStrategy):
         mine = torch.tensor(
             [point, *signals, int(should_stop), state_digest], dtype=torch.int64, device=self.root_device
         )
-        votes = distributed.all_gather(mine, watch=self._watch("a decision of every rank (stop, signals)"))
+        votes = distributed.all_gather(mine, watch=self._watch(_DOING[point]))
         points = votes[:, 0].tolist()
         if len(set(points)) > 1:
             where = ", ".join(f"{self._describe(r)} (rank {r}) at {_POINTS[p]}" for r, p in enumerate(points))
