@@ -45,11 +45,6 @@ class RequeueTogether:
     def noted(self) -> bool:
         return self.signum is not None
 
-    @property
-    def installed(self) -> bool:
-        """Whether the Trainer's requeue handler is this one: SLURM with ``auto_requeue``, several processes."""
-        return self.trainer is not None
-
     def notify(self, signum: int, _: Optional[FrameType]) -> None:
         """Note the signal (in the main thread, wherever it was): no collective inside a signal handler."""
         if self.trainer is not None:
