@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterator
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from _compat import BATCH, CLASSES, FEATURES, Base, Manual, Scenario, _backbone, _data, _loader
@@ -433,6 +434,70 @@ def time_limit() -> Scenario:
     return Scenario(Base(), trainer={"max_time": {"seconds": 2}, "max_epochs": 10_000})
 
 
+class OwnOptimizerHooks(Base):
+    """The LightningModule's optimizer hooks overridden as Lightning's docs show them: ``optimizer_step`` runs the
+    closure on every batch but steps on two of three (a step skipped), ``optimizer_zero_grad`` keeps zeroed tensors
+    (``set_to_none=False``), and ``lr_scheduler_step`` steps a warm-up schedule on every second call only."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if batch_idx % 3 == 2:
+            optimizer_closure()  # the step and backward run; the optimizer does not step
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        self.record["scheduler_calls"] = self.record.get("scheduler_calls", 0) + 1
+        if self.record["scheduler_calls"] % 2 == 0:
+            scheduler.step()
+
+
+def optimizer_hooks_overridden() -> Scenario:
+    return Scenario(OwnOptimizerHooks())
+
+
+class FineTunedInTwoPhases(Base):
+    """Only the layers that require gradients are trained: a fine-tune that unfreezes between two fits."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+def _unfreeze_and_fit_with_a_new_trainer(trainer: Any, module: Any, train: Any, val: Any) -> None:
+    """A second ``Trainer`` of the same kind fits the same module object again, its first layer now unfrozen."""
+    module.backbone[0].requires_grad_(True)
+    frozen = module.backbone[0].weight.detach().clone()  # the whole model is back in the module after fit
+    pipelined = type(trainer.strategy).__name__ == "GPipeStrategy"
+    strategy = type(trainer.strategy)(chunks=trainer.strategy.chunks) if pipelined else "auto"
+    second = L.Trainer(
+        accelerator="cpu",
+        devices=len(trainer.device_ids),
+        strategy=strategy,
+        max_epochs=1,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    second.fit(module, train, val)
+    moved = (module.backbone[0].weight.detach() - frozen).abs().max().item()
+    module.record["second_fit"] = (second.global_step, second.current_epoch, moved > 0)
+
+
+def second_trainer_after_unfreezing() -> Scenario:
+    module = FineTunedInTwoPhases()
+    module.backbone[0].requires_grad_(False)
+    return Scenario(module, trainer={"max_epochs": 1}, after_fit=_unfreeze_and_fit_with_a_new_trainer)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -471,5 +536,7 @@ SCENARIOS = {
         named_layers,
         time_limit,
         epoch_ended_by_the_hook,
+        optimizer_hooks_overridden,
+        second_trainer_after_unfreezing,
     )
 }

@@ -128,6 +128,20 @@ def test_loop_setting_or_data_source_trains_as_on_one_device(name, runs):
     _check(name, runs)
 
 
+def test_a_second_trainer_fits_the_same_module_again_after_unfreezing_as_on_one_device(runs):
+    want, ranks = _check("second_trainer_after_unfreezing", runs)
+    assert want["record"]["second_fit"] == (4, 1, True)  # 4 more steps, in which the unfrozen layer trained
+    for got in ranks:
+        assert got["record"] == want["record"]
+
+
+def test_overridden_optimizer_hooks_step_and_schedule_as_on_one_device(runs):
+    want, ranks = _check("optimizer_hooks_overridden", runs)
+    assert want["record"]["scheduler_calls"] == want["steps"] == 8
+    for got in ranks:
+        assert got["record"] == want["record"]
+
+
 @pytest.mark.parametrize(
     "name",
     [
