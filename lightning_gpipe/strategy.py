@@ -121,6 +121,7 @@ from lightning_gpipe.engine.split_weights import SplitWeights, judge
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
+from lightning_gpipe.interrupt import InterruptTogether
 from lightning_gpipe.prediction_writers import write_once_per_pipeline
 from lightning_gpipe.requeue import RequeueTogether
 from lightning_gpipe.sigterm import SigtermStop
@@ -167,6 +168,8 @@ def _sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:
 
 #: Where :meth:`GPipeStrategy._gather_decisions` was called, in its first column.
 _STOP_DECISION, _EVALUATION_BATCH = 1, 2
+#: The columns of what :meth:`GPipeStrategy._gather_decisions` returns, one row per rank.
+_SIGTERM, _REQUEUE, _INTERRUPT, _STOP, _DIGEST = range(5)
 #: What a rank waits for in it, as the deadlock and failure messages say.
 _DOING = {_STOP_DECISION: "a decision of every rank (stop or go on)", _EVALUATION_BATCH: "the signals every rank got"}
 _POINTS = {
@@ -372,6 +375,7 @@ class GPipeStrategy(ParallelStrategy):
         )
         self._sigterm = SigtermStop()  # a SIGTERM stops every rank at one step (see lightning_gpipe.sigterm)
         self._requeue = RequeueTogether()  # SLURM's requeue signal acts at one step (see lightning_gpipe.requeue)
+        self._interrupt = InterruptTogether()  # so does Ctrl-C (see lightning_gpipe.interrupt)
         self._copies: list[tuple[nn.Module, str, StageCopy]] = []  # weight averages' backbones: (owner, attribute, cut)
         self._mirrors: list[str] = []  # copies of the backbone outside it, by path (see _copies_of_the_backbone)
 
@@ -733,6 +737,7 @@ class GPipeStrategy(ParallelStrategy):
         self._last_loss = None
         self._sigterm.install(trainer)  # before the Trainer registers its signal handlers
         self._requeue.install(trainer, self.cluster_environment, self.world_size)
+        self._interrupt.install(self.world_size, self.global_rank)
         refusals.fp16_scaler(self.precision_plugin)
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
         assert self.lightning_module is not None
@@ -799,15 +804,16 @@ class GPipeStrategy(ParallelStrategy):
         state = get_rng_state(self.root_device, everything=True)
         votes = self._gather_decisions(_STOP_DECISION, should_stop, digest(state))
         if self.pipe is not None and self.pipe.group is not None:
-            self._take_first_stages_state(votes[self.pipe.ranks, 3], state)
+            self._take_first_stages_state(votes[self.pipe.ranks, _DIGEST], state)
         self._act_on_signals(votes)
-        return bool(votes[:, 2].any())
+        return bool(votes[:, _STOP].any())
 
     def _gather_decisions(self, point: int, should_stop: bool = False, state_digest: int = 0) -> Tensor:
-        """Every rank's signals (SIGTERM, SLURM's requeue signal, not yet acted on), stop vote and random-state digest,
-        one row per rank; collective. Where the ranks made it at different points (a stop decision, the end of an
-        evaluation batch), their loops ran different numbers of batches: every rank raises, naming the points."""
-        signals = [int(self._sigterm.noted), int(self._requeue.noted)]
+        """Every rank's signals (SIGTERM, SLURM's requeue signal, SIGINT, not yet acted on), stop vote and random-state
+        digest, one row per rank, in the columns ``_SIGTERM`` to ``_DIGEST``; collective. Where the ranks made it at
+        different points (a stop decision, the end of an evaluation batch), their loops ran different numbers of
+        batches: every rank raises, naming the points."""
+        signals = [int(self._sigterm.noted), int(self._requeue.noted), int(self._interrupt.noted)]
         mine = torch.tensor(
             [point, *signals, int(should_stop), state_digest], dtype=torch.int64, device=self.root_device
         )
@@ -826,11 +832,14 @@ class GPipeStrategy(ParallelStrategy):
         """Every rank at the same point, once any rank got a signal: SLURM's requeue signal saves the HPC checkpoint
         and requeues here, or at the next such point where no gradients wait for an optimizer step
         (:mod:`lightning_gpipe.requeue`); SIGTERM makes each rank's loop stop at the same point
-        (:mod:`lightning_gpipe.sigterm`)."""
-        if bool(votes[:, 1].any()):
+        (:mod:`lightning_gpipe.sigterm`); SIGINT raises ``KeyboardInterrupt`` right here
+        (:mod:`lightning_gpipe.interrupt`)."""
+        if bool(votes[:, _REQUEUE].any()):
             self._requeue.run(self._from_rank_zero)
-        if bool(votes[:, 0].any()):
+        if bool(votes[:, _SIGTERM].any()):
             self._sigterm.agree()
+        if bool(votes[:, _INTERRUPT].any()):
+            self._interrupt.stop_here()
 
     def _agree_on_signals(self) -> None:
         """At the end of each validation, test and predict batch (see :mod:`lightning_gpipe.stop_together`), where the
@@ -1575,8 +1584,8 @@ class GPipeStrategy(ParallelStrategy):
         Returns the error to raise instead: the one a background check of this rank found, when the
         exception is only how the blocked call it found ended (a peer closed the connection).
         """
-        if self._sigterm.is_agreed_stop(exception):  # raised by every rank at one point: their collectives meet
-            return None
+        if self._sigterm.is_agreed_stop(exception) or self._interrupt.is_agreed_stop(exception):
+            return None  # raised by every rank at one point: their collectives meet
         self._failed = True
         board = self._board
         if board is not None:
@@ -1622,6 +1631,7 @@ class GPipeStrategy(ParallelStrategy):
         self.pipe = None
         self._sigterm.uninstall()
         self._requeue.uninstall()
+        self._interrupt.uninstall()
         trainer = self._trainer()
         if trainer is not None and self._mesh is not None:  # their metrics, computed after `fit`, count samples once
             metric_sync.keep_over(self._mesh.get_group("dp"), trainer.callbacks)  # type: ignore[attr-defined]

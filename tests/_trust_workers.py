@@ -556,12 +556,13 @@ def sequence_first_fit(rank: int, world_size: int, check: bool) -> None:
     L.Trainer(strategy=strategy, devices=world_size, **M.trainer_kwargs(max_steps=2)).fit(SequenceFirst(), M.loader())
 
 
-def terminated(ranks: list[int], directory: str) -> None:
-    """A fit under Lightning's popen launcher, with OnExceptionCheckpoint, that SIGTERM ends at batch 2 of epoch 0."""
+def terminated(ranks: list[int], directory: str, signum: int = signal.SIGTERM) -> None:
+    """A fit under Lightning's popen launcher, with OnExceptionCheckpoint, that ``signum`` (SIGTERM, or SIGINT: a
+    Ctrl-C) ends at batch 2 of epoch 0."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    callbacks = [SignalAt(signal.SIGTERM, ranks, 2), OnExceptionCheckpoint(directory)]
+    callbacks = [SignalAt(signum, ranks, 2), OnExceptionCheckpoint(directory)]
     settings = M.trainer_kwargs(callbacks=callbacks, enable_checkpointing=True, max_steps=-1, max_epochs=20)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=2, **settings)
     try:

@@ -25,6 +25,7 @@ LAYERS = {
     "metric_sync": set(),
     "sigterm": {"_lightning"},
     "requeue": {"_lightning"},
+    "interrupt": set(),
     "strategy": {
         "refusals",
         "engine",
@@ -37,6 +38,7 @@ LAYERS = {
         "metric_sync",
         "sigterm",
         "requeue",
+        "interrupt",
     },
     "monitor.callback": {"engine", "monitor.timer", "monitor.timeline", "_lightning", "strategy"},
     "refusals": {"engine"},

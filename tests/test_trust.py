@@ -80,6 +80,7 @@ def _under_the_default_launcher(tmp_path, call: str) -> tuple[subprocess.Complet
     script = tmp_path / "script.py"
     script.write_text(
         textwrap.dedent(f"""
+        import signal
         import _trust_workers as W
         if __name__ == "__main__":
             W.{call}
@@ -114,6 +115,22 @@ def test_sigterm_stops_every_rank_at_one_step_and_on_exception_checkpoint_saves_
     assert seconds < BOUND
     stops = sorted(re.findall(r"rank (\d) stopped after step (\d+)", result.stdout))  # two processes, one pipe
     assert stops == [("0", "3"), ("1", "3")], result.stdout[-2000:]
+    saved = torch.load(directory / "on_exception.ckpt", weights_only=False)
+    assert saved["global_step"] == 3
+    M.Net().load_state_dict(saved["state_dict"])  # the whole model, every stage's layers
+
+
+@pytest.mark.parametrize("ranks", [[0, 1], [1]], ids=["every process (a terminal's Ctrl-C)", "stage 1 only"])
+def test_ctrl_c_stops_every_rank_at_one_step_and_on_exception_checkpoint_saves_the_whole_model(tmp_path, ranks):
+    # each rank raised KeyboardInterrupt where the signal found it: the job exited 1 at once, without the checkpoint
+    # ("Not saving the checkpoint ...: a stage of the pipeline failed"), where one device writes it
+    directory = tmp_path / "ckpt"
+    result, seconds = _under_the_default_launcher(tmp_path, f"terminated({ranks}, {str(directory)!r}, signal.SIGINT)")
+    assert result.returncode == 1, result.stderr[-3000:]  # Lightning's exit after a KeyboardInterrupt, as one device
+    assert seconds < BOUND
+    assert "Detected KeyboardInterrupt, attempting graceful shutdown" in result.stdout + result.stderr
+    assert "failed" not in result.stderr, result.stderr[-3000:]
+    assert "rank 0 stopped after step 3" in result.stdout, result.stdout[-2000:]  # at the signal's batch, as one device
     saved = torch.load(directory / "on_exception.ckpt", weights_only=False)
     assert saved["global_step"] == 3
     M.Net().load_state_dict(saved["state_dict"])  # the whole model, every stage's layers
