@@ -720,6 +720,19 @@ def replace_requeue_handler(trainer: "pl.Trainer", handler: Optional[Callable[[i
         connector._slurm_sigusr_handler_fn = handler  # type: ignore[method-assign,assignment]
 
 
+def restore_at_signal_teardown(trainer: "pl.Trainer", signum: int, replaced: Any, handler: Any) -> None:
+    """Where the Trainer's signal connector would put ``replaced`` back for ``signum`` at its teardown, put ``handler``.
+
+    Private: ``_SignalConnector._original_handlers``, the handlers it found when it registered its own (after the
+    strategy's ``setup``), restored at its teardown, which runs after the strategy's. A handler the strategy set in
+    ``setup`` and took back in ``teardown`` would otherwise come back after the run (measured: the SIGINT note of
+    :mod:`lightning_gpipe.interrupt` stayed the process's handler, and a later Ctrl-C stopped nothing).
+    """
+    originals = getattr(trainer._signal_connector, "_original_handlers", None)
+    if isinstance(originals, dict) and originals.get(signum) == replaced:
+        originals[signum] = handler
+
+
 def hpc_save_path(trainer: "pl.Trainer") -> str:
     """The next ``hpc_ckpt_<n>.ckpt`` in the Trainer's root directory, as Lightning's requeue handler names it."""
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)

@@ -25,7 +25,10 @@ import threading
 from types import FrameType
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+
+from lightning_gpipe import _lightning
 
 __all__ = ["InterruptTogether"]
 
@@ -40,9 +43,10 @@ class InterruptTogether:
         self.noted = False  # this rank got SIGINT; the job has not acted on it yet
         self.agreed = False  # every rank raised KeyboardInterrupt at the same point
         self._previous: Any = None  # the handler this one replaced; None while not installed
+        self._trainer: Optional[pl.Trainer] = None
         self._rank = 0
 
-    def install(self, world_size: int, rank: int) -> None:
+    def install(self, trainer: pl.Trainer, world_size: int, rank: int) -> None:
         """Take the place of Python's own SIGINT handler for a run of several processes.
 
         Left alone: a run of one process (it has nobody to agree with), a handler the user installed, and a setup
@@ -54,6 +58,7 @@ class InterruptTogether:
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             return
         self._previous = signal.signal(signal.SIGINT, self.notify)
+        self._trainer = trainer
 
     def uninstall(self) -> None:
         """Put back the handler this one replaced, unless something replaced this one since (Lightning ignores
@@ -62,7 +67,17 @@ class InterruptTogether:
             return
         if signal.getsignal(signal.SIGINT) == self.notify and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._previous)
-        self._previous = None
+        if self._trainer is not None:  # the Trainer's signal teardown, which comes next, restores what it found
+            _lightning.restore_at_signal_teardown(self._trainer, signal.SIGINT, self.notify, self._previous)
+        self._previous, self._trainer = None, None
+        if self.noted and not self.agreed:  # after the run's last shared point (its teardown): said, not swallowed
+            log.warning(
+                rank_prefixed_message(
+                    "The SIGINT (Ctrl-C) came after the run's last batch, where the stages could no longer stop "
+                    "together: the run finished normally. Press Ctrl-C again to stop the script.",
+                    self._rank,
+                )
+            )
 
     def notify(self, signum: int, frame: Optional[FrameType]) -> None:
         """The handler; runs in the main thread. The first SIGINT is noted, a second one raises at once."""

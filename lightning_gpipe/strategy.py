@@ -737,7 +737,7 @@ class GPipeStrategy(ParallelStrategy):
         self._last_loss = None
         self._sigterm.install(trainer)  # before the Trainer registers its signal handlers
         self._requeue.install(trainer, self.cluster_environment, self.world_size)
-        self._interrupt.install(self.world_size, self.global_rank)
+        self._interrupt.install(trainer, self.world_size, self.global_rank)
         refusals.fp16_scaler(self.precision_plugin)
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
         assert self.lightning_module is not None

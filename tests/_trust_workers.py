@@ -661,6 +661,30 @@ def requeued(rank: int, world_size: int, directory: str, signaled: list[int], fo
     return {"weights": weights, "steps": trainer.global_step, "ran": len(model.losses)}
 
 
+class _InterruptAtTrainEnd(Callback):
+    """Sends SIGINT (a Ctrl-C) to stage 1's process in ``on_train_end``, after the run's last batch."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def interrupted_after_the_last_batch(rank: int, world_size: int) -> dict:
+    """A fit of 3 steps whose stage 1 gets SIGINT in ``on_train_end``; what the fit did and what the rank said."""
+    import logging
+
+    from lightning_gpipe import GPipeStrategy
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    settings = M.trainer_kwargs(callbacks=[_InterruptAtTrainEnd()], max_steps=3)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **settings)
+    trainer.fit(M.Net(), M.loader())
+    return {"steps": trainer.global_step, "said": said, "handler": signal.getsignal(signal.SIGINT)}
+
+
 def terminated_in_validation(rank: int, world_size: int, directory: str, signaled: bool, resume: bool) -> dict:
     """An Adam fit of 3 epochs of 5 batches, validated every 2 batches over 3 batches, with ``OnExceptionCheckpoint``:
     ``signaled``, SIGTERM comes to stage 1 at the end of the second validation's second batch, and then, in a

@@ -25,7 +25,7 @@ LAYERS = {
     "metric_sync": set(),
     "sigterm": {"_lightning"},
     "requeue": {"_lightning"},
-    "interrupt": set(),
+    "interrupt": {"_lightning"},
     "strategy": {
         "refusals",
         "engine",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -134,6 +135,18 @@ def test_ctrl_c_stops_every_rank_at_one_step_and_on_exception_checkpoint_saves_t
     saved = torch.load(directory / "on_exception.ckpt", weights_only=False)
     assert saved["global_step"] == 3
     M.Net().load_state_dict(saved["state_dict"])  # the whole model, every stage's layers
+
+
+def test_a_ctrl_c_after_the_last_batch_lets_the_run_finish_and_says_so():
+    # noted for a stop that no later point could share: before the warning, the Ctrl-C was swallowed in silence
+    outcome = run_processes(W.interrupted_after_the_last_batch, 2, timeout=BOUND)
+    assert outcome.exitcodes == [0, 0], outcome.errors
+    late = [m for m in outcome.results[1]["said"] if "came after the run's last batch" in m]
+    assert len(late) == 1 and "Press Ctrl-C again" in late[0]
+    assert not any("came after" in m for m in outcome.results[0]["said"])
+    for result in outcome.results:
+        assert result["steps"] == 3
+        assert result["handler"] is signal.default_int_handler  # Python's own again, once the run ended
 
 
 def test_sigterm_during_a_validation_stops_every_rank_at_the_next_batch_and_the_fit_resumes_from_there_exactly(
