@@ -7,6 +7,9 @@ monitor and the checkpoints use Lightning's public API everywhere else.
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import time
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional
@@ -153,8 +156,46 @@ class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
         return super().launch(_reporting(function, self.on_failure), *args, trainer=trainer, **kwargs)
 
 
+#: Seconds the main process of a spawn or fork launch waits for its workers to end after a Ctrl-C, before it kills them.
+CHILDREN_GRACE = 30.0
+
+
 class _ReportingMultiProcessingLauncher(MainProcessLauncher):
     on_failure: OnFailure
+    on_workers_failure: Callable[[BaseException], None]
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        """Lightning's launch, and in the main process, which is no rank, what follows a worker's failure or a Ctrl-C.
+
+        Lightning runs ``on_exception`` (``OnExceptionCheckpoint``) in this process, on its copy of the model as it
+        was before the run: ``on_workers_failure`` makes the strategy refuse to save it (measured: a stage raising
+        under ``start_method="spawn"`` left an ``on_exception.ckpt`` of the untrained model, global step 0). A Ctrl-C
+        that reached this process alone (``kill -INT``) left the workers training while its exit waited for them;
+        it is passed on to them, and the ones still running after ``CHILDREN_GRACE`` seconds are killed.
+        """
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except KeyboardInterrupt as error:
+            self._end_workers(signal.SIGINT)
+            self.on_workers_failure(error)
+            raise
+        except BaseException as error:
+            self.on_workers_failure(error)
+            raise
+
+    def _end_workers(self, signum: int) -> None:
+        workers = [p for p in self.procs if p.is_alive() and p.pid is not None]
+        for worker in workers:
+            try:
+                os.kill(worker.pid, signum)  # type: ignore[arg-type]
+            except ProcessLookupError:  # ended meanwhile
+                pass
+        deadline = time.monotonic() + CHILDREN_GRACE
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
 
     def _wrapping_function(
         self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, *args: Any, **kwargs: Any
@@ -162,7 +203,9 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
         super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
 
 
-def launcher(strategy: Any, start_method: str, on_failure: OnFailure) -> _Launcher:
+def launcher(
+    strategy: Any, start_method: str, on_failure: OnFailure, on_workers_failure: Callable[[BaseException], None]
+) -> _Launcher:
     """Lightning's launcher for ``start_method``, reporting an exception of the trainer function first.
 
     Lightning catches an exception of ``fit`` (or ``validate``...) above the launcher and then calls
@@ -171,7 +214,8 @@ def launcher(strategy: Any, start_method: str, on_failure: OnFailure) -> _Launch
     the failed one, never join. Reported here, inside the launcher (inside each spawned process for
     spawn and fork), the failure reaches the other ranks before any callback runs. Lightning has no
     hook at that point, so these subclass its launchers (private classes). ``on_failure`` may return
-    another exception to raise instead (from the original).
+    another exception to raise instead (from the original). ``on_workers_failure`` is called in the main process of
+    a spawn or fork launch when its workers failed or were interrupted.
     """
     chosen: Any
     if start_method == "popen":
@@ -180,6 +224,7 @@ def launcher(strategy: Any, start_method: str, on_failure: OnFailure) -> _Launch
         if start_method not in ("spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
         chosen = _ReportingMultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
+        chosen.on_workers_failure = on_workers_failure
     chosen.on_failure = on_failure
     return chosen
 

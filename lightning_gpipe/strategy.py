@@ -376,6 +376,7 @@ class GPipeStrategy(ParallelStrategy):
         self._sigterm = SigtermStop()  # a SIGTERM stops every rank at one step (see lightning_gpipe.sigterm)
         self._requeue = RequeueTogether()  # SLURM's requeue signal acts at one step (see lightning_gpipe.requeue)
         self._interrupt = InterruptTogether()  # so does Ctrl-C (see lightning_gpipe.interrupt)
+        self._in_main_process = False  # the main process of a spawn or fork launch, after its workers failed
         self._copies: list[tuple[nn.Module, str, StageCopy]] = []  # weight averages' backbones: (owner, attribute, cut)
         self._mirrors: list[str] = []  # copies of the backbone outside it, by path (see _copies_of_the_backbone)
 
@@ -418,7 +419,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._launcher = launcher(self, self._start_method, self._report_failure)
+        self._launcher = launcher(self, self._start_method, self._report_failure, self._workers_failed)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -785,7 +786,12 @@ class GPipeStrategy(ParallelStrategy):
             callbacks[:] = [c for c in callbacks if not isinstance(c, StopTogether)] + [together]
 
     def _trainer(self) -> Optional["pl.Trainer"]:
-        return self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.lightning_module is None:
+            return None
+        try:
+            return self.lightning_module.trainer
+        except RuntimeError:  # not attached: the main process of a spawn launch, tearing down after its workers failed
+            return None
 
     def _stage_state(self) -> Any:
         """A context in which the module's ``state_dict()`` holds this stage's part of the backbone, for the
@@ -1435,6 +1441,15 @@ class GPipeStrategy(ParallelStrategy):
         Nothing is written once a rank has failed (``OnExceptionCheckpoint``, say): the stages may stand at
         different steps and the failed one cannot be asked, so a checkpoint would not be consistent.
         """
+        if self.failed and self._in_main_process:
+            rank_zero_warn(
+                f"Not saving the checkpoint {str(filepath)!r}: the pipeline's processes (start_method="
+                f"{self._start_method!r}) ended with an error or an interrupt, and Lightning runs `on_exception` in "
+                "the main process, which holds the model as it was before the run, not what the stages trained. Run "
+                "the job as a script (start_method='popen', the default) for `OnExceptionCheckpoint`, or resume from "
+                "the last checkpoint the stages saved."
+            )
+            return
         if self.failed:
             rank_zero_warn(
                 f"Not saving the checkpoint {str(filepath)!r}: a stage of the pipeline failed, and the "
@@ -1594,6 +1609,12 @@ class GPipeStrategy(ParallelStrategy):
             exit_without_finalizers(board)
         found = board.found if board is not None else None
         return found if found is not None and found is not exception else None
+
+    def _workers_failed(self, exception: BaseException) -> None:
+        """In the main process of a spawn or fork launch, which is no rank: its workers failed or were interrupted.
+        Lightning runs ``on_exception`` here next, on this process's model as it was before the run: nothing of it may
+        be saved as the run's state (see ``save_checkpoint``)."""
+        self._failed = self._in_main_process = True
 
     @property
     def failed(self) -> bool:

@@ -72,6 +72,39 @@ def failing_stage_with_on_exception_checkpoint(rank: int, world_size: int, path:
     )
 
 
+class _InterruptsTheMainProcess(Callback):
+    """Writes each worker's pid to ``directory``; at the end of batch 2, stage 0's worker sends SIGINT to the main
+    process of the spawn launch alone, which is no rank (a ``kill -INT`` of the job's process)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        with open(os.path.join(self.directory, f"pid{trainer.global_rank}"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 2 and trainer.global_rank == 0 and trainer.current_epoch == 0:
+            os.kill(os.getppid(), signal.SIGINT)
+
+
+def spawned(directory: str, fails: bool) -> None:
+    """A fit that a script starts with ``start_method="spawn"``, with ``OnExceptionCheckpoint``: stage 1 raises at its
+    third call (``fails``), or the main process alone gets SIGINT during a fit of 1000 epochs."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    callbacks: list[Callback] = [OnExceptionCheckpoint(os.path.join(directory, "ckpt"))]
+    if fails:
+        model.backbone.append(_sweeps.Boom(rank=1, call=3))
+    else:
+        callbacks.append(_InterruptsTheMainProcess(directory))
+    settings = M.trainer_kwargs(callbacks=callbacks, enable_checkpointing=True, max_steps=-1, max_epochs=1000)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, start_method="spawn"), devices=2, **settings)
+    trainer.fit(model, M.loader())
+
+
 class MomentumEncoder(M.Net):
     """A target network: a copy of the backbone updated from it after every batch (BYOL, MoCo), by a zip over the two
     parameter lists. All its layers have one shape, so pairing a stage's parameters with the copy's first ones

@@ -106,6 +106,26 @@ def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_wit
     assert not glob.glob(str(tmp_path / "ckpt" / "*"))
 
 
+@pytest.mark.parametrize("fails", [True, False], ids=["a stage raises", "Ctrl-C to the main process alone"])
+def test_a_spawn_launch_that_fails_or_is_interrupted_saves_no_untrained_model_and_ends_every_worker(tmp_path, fails):
+    # Lightning runs `on_exception` in the main process, which is no rank: OnExceptionCheckpoint wrote its copy of the
+    # model from before the run (global step 0), and its teardown raised "Net is not attached to a `Trainer`" over the
+    # workers' error; a SIGINT to the main process alone left the workers training while its exit waited for them
+    result, seconds = _under_the_default_launcher(tmp_path, f"spawned({str(tmp_path)!r}, {fails})")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert seconds < BOUND
+    assert "Not saving the checkpoint" in result.stderr and "start_method='spawn'" in result.stderr
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+    assert "is not attached to a `Trainer`" not in result.stderr
+    if fails:
+        assert "RuntimeError: boom on rank 1" in result.stderr
+        return
+    for rank in (0, 1):  # every worker ended with the main process
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.parametrize("ranks", [[0, 1], [1]], ids=["every process", "stage 1 only"])
 def test_sigterm_stops_every_rank_at_one_step_and_on_exception_checkpoint_saves_the_whole_model(tmp_path, ranks):
     # Lightning's handler broadcast from inside the signal handler: the job ended after 30-36 s through the deadlock
