@@ -11,6 +11,7 @@ import os
 import signal
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional
 
@@ -33,7 +34,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
-from lightning.pytorch.utilities.exceptions import _TunerExitException
+from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -42,6 +43,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpipe._subclass import copy_as
 from lightning_gpipe.checkpointing.model_state import meta_state_allowed
+from lightning_gpipe.engine.failure import exit_without_finalizers
 from lightning_gpipe.engine.pipe import GPipe
 
 __all__ = [
@@ -107,6 +109,26 @@ def _reporting(function: Callable, on_failure: OnFailure) -> Callable:
     return run
 
 
+@dataclass(frozen=True)
+class _WorkerStopped:
+    """What rank 0's worker hands the main process of a spawn or fork launch when its run ended in a ``SystemExit``
+    (Lightning's ``SIGTERMException`` after a SIGTERM) or a ``KeyboardInterrupt``, instead of its results.
+
+    torch's worker wrapper reports neither to the main process: such a worker exits as if it had finished, and
+    Lightning's launch then waited for its results for good (measured: SIGTERM to the workers of a spawn launch, the
+    main process still waiting after 90 s). The main process raises the same instead."""
+
+    kind: str  # the exception's class name: "SIGTERMException", "KeyboardInterrupt", or a SystemExit's
+    code: Any = None  # a SystemExit's code
+
+    def rebuild(self) -> BaseException:
+        if self.kind == "KeyboardInterrupt":
+            return KeyboardInterrupt()
+        if self.kind == "SIGTERMException":
+            return SIGTERMException()
+        return SystemExit(self.code)
+
+
 class MainProcessLauncher(_MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, but a sharded run leaves no untrained layers in the main process.
 
@@ -123,6 +145,8 @@ class MainProcessLauncher(_MultiProcessingLauncher):
             return super()._collect_rank_zero_results(trainer, results)
 
     def _recover_results_in_main_process(self, worker_output: Any, trainer: "pl.Trainer") -> None:
+        if isinstance(worker_output, _WorkerStopped):  # rank 0's run stopped (see _WorkerStopped): stop here alike
+            raise worker_output.rebuild()
         path = worker_output.weights_path
         if path is None or getattr(self._strategy, "state_dict_type", "full") != "sharded":
             return super()._recover_results_in_main_process(worker_output, trainer)
@@ -200,7 +224,16 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
     def _wrapping_function(
         self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, *args: Any, **kwargs: Any
     ) -> None:
-        super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
+        try:
+            super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
+        except (SystemExit, KeyboardInterrupt) as stop:
+            if process_idx == 0:  # Lightning's arguments after the function: args, kwargs, the return queue
+                code = stop.code if isinstance(stop, SystemExit) else None
+                args[2].put(_WorkerStopped(type(stop).__name__, code))
+            # Lightning tears the run down in the main process only: this worker's pipeline threads and process group
+            # are still up, and the interpreter's finalizers aborted it on their way out (SIGABRT, 1 run in 3)
+            exit_without_finalizers(code=0)
+            raise
 
 
 def launcher(

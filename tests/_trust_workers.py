@@ -72,12 +72,13 @@ def failing_stage_with_on_exception_checkpoint(rank: int, world_size: int, path:
     )
 
 
-class _InterruptsTheMainProcess(Callback):
-    """Writes each worker's pid to ``directory``; at the end of batch 2, stage 0's worker sends SIGINT to the main
-    process of the spawn launch alone, which is no rank (a ``kill -INT`` of the job's process)."""
+class _SignalsFromAWorker(Callback):
+    """Writes each worker's pid to ``directory``; at the end of batch 2, stage 0's worker sends ``signum`` to the main
+    process of the spawn launch alone, which is no rank (a ``kill -INT`` of the job's process), or to itself alone
+    (``to_itself``: a scheduler's SIGTERM to a worker)."""
 
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
+    def __init__(self, directory: str, signum: int, to_itself: bool) -> None:
+        self.directory, self.signum, self.to_itself = directory, signum, to_itself
 
     def on_train_start(self, trainer, pl_module) -> None:
         with open(os.path.join(self.directory, f"pid{trainer.global_rank}"), "w") as f:
@@ -85,21 +86,23 @@ class _InterruptsTheMainProcess(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx == 2 and trainer.global_rank == 0 and trainer.current_epoch == 0:
-            os.kill(os.getppid(), signal.SIGINT)
+            os.kill(os.getpid() if self.to_itself else os.getppid(), self.signum)
 
 
-def spawned(directory: str, fails: bool) -> None:
-    """A fit that a script starts with ``start_method="spawn"``, with ``OnExceptionCheckpoint``: stage 1 raises at its
-    third call (``fails``), or the main process alone gets SIGINT during a fit of 1000 epochs."""
+def spawned(directory: str, how: str) -> None:
+    """A fit of 1000 epochs that a script starts with ``start_method="spawn"``, with ``OnExceptionCheckpoint``, ended
+    ``how``: ``"raises"``, stage 1 raises at its third call; ``"main interrupted"``, the main process alone gets SIGINT;
+    ``"worker terminated"``, stage 0's worker alone gets SIGTERM."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
     model = M.Net()
     callbacks: list[Callback] = [OnExceptionCheckpoint(os.path.join(directory, "ckpt"))]
-    if fails:
+    if how == "raises":
         model.backbone.append(_sweeps.Boom(rank=1, call=3))
     else:
-        callbacks.append(_InterruptsTheMainProcess(directory))
+        terminated = how == "worker terminated"
+        callbacks.append(_SignalsFromAWorker(directory, signal.SIGTERM if terminated else signal.SIGINT, terminated))
     settings = M.trainer_kwargs(callbacks=callbacks, enable_checkpointing=True, max_steps=-1, max_epochs=1000)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, start_method="spawn"), devices=2, **settings)
     trainer.fit(model, M.loader())
