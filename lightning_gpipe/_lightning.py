@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -195,8 +196,16 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
         was before the run: ``on_workers_failure`` makes the strategy refuse to save it (measured: a stage raising
         under ``start_method="spawn"`` left an ``on_exception.ckpt`` of the untrained model, global step 0). A Ctrl-C
         that reached this process alone (``kill -INT``) left the workers training while its exit waited for them;
-        it is passed on to them, and the ones still running after ``CHILDREN_GRACE`` seconds are killed.
+        it is passed on to them, and the ones still running after ``CHILDREN_GRACE`` seconds are killed. A SIGTERM
+        to this process alone (a scheduler's, which signals the job's first process) killed it at once, since
+        Lightning sets no handler here: while the workers run it is passed on to them instead, and they stop together
+        (:mod:`lightning_gpipe.sigterm`).
         """
+        forwarding = threading.current_thread() is threading.main_thread()
+        forwarding = forwarding and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # not over a user's handler
+        if forwarding:
+            self._main_pid = os.getpid()
+            signal.signal(signal.SIGTERM, self._forward_sigterm)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except KeyboardInterrupt as error:
@@ -206,14 +215,33 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
         except BaseException as error:
             self.on_workers_failure(error)
             raise
+        finally:
+            if forwarding:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    def _end_workers(self, signum: int) -> None:
+    def _forward_sigterm(self, signum: int, _: Any) -> None:
+        """The main process's SIGTERM handler while the workers run. A forked worker inherits it (and Lightning's
+        handler there calls it too): it does nothing outside the main process. Before any worker runs, the signal ends
+        this process, as it did without the handler."""
+        if os.getpid() != getattr(self, "_main_pid", None):
+            return
+        if not self._pass_on(signum):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _pass_on(self, signum: int) -> bool:
+        """Send ``signum`` to the workers that run; whether there were any."""
         workers = [p for p in self.procs if p.is_alive() and p.pid is not None]
         for worker in workers:
             try:
                 os.kill(worker.pid, signum)  # type: ignore[arg-type]
             except ProcessLookupError:  # ended meanwhile
                 pass
+        return bool(workers)
+
+    def _end_workers(self, signum: int) -> None:
+        workers = [p for p in self.procs if p.is_alive() and p.pid is not None]
+        self._pass_on(signum)
         deadline = time.monotonic() + CHILDREN_GRACE
         for worker in workers:
             worker.join(max(0.0, deadline - time.monotonic()))

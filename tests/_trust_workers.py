@@ -92,7 +92,8 @@ class _SignalsFromAWorker(Callback):
 def spawned(directory: str, how: str) -> None:
     """A fit of 1000 epochs that a script starts with ``start_method="spawn"``, with ``OnExceptionCheckpoint``, ended
     ``how``: ``"raises"``, stage 1 raises at its third call; ``"main interrupted"``, the main process alone gets SIGINT;
-    ``"worker terminated"``, stage 0's worker alone gets SIGTERM."""
+    ``"worker terminated"``, stage 0's worker alone gets SIGTERM; ``"main terminated"``, the main process alone gets
+    SIGTERM (a scheduler's, which signals the job's first process)."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
@@ -101,8 +102,8 @@ def spawned(directory: str, how: str) -> None:
     if how == "raises":
         model.backbone.append(_sweeps.Boom(rank=1, call=3))
     else:
-        terminated = how == "worker terminated"
-        callbacks.append(_SignalsFromAWorker(directory, signal.SIGTERM if terminated else signal.SIGINT, terminated))
+        signum = signal.SIGINT if how == "main interrupted" else signal.SIGTERM
+        callbacks.append(_SignalsFromAWorker(directory, signum, to_itself=how == "worker terminated"))
     settings = M.trainer_kwargs(callbacks=callbacks, enable_checkpointing=True, max_steps=-1, max_epochs=1000)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, start_method="spawn"), devices=2, **settings)
     trainer.fit(model, M.loader())
