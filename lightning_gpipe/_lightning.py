@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
-from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -119,15 +119,7 @@ class _WorkerStopped:
     Lightning's launch then waited for its results for good (measured: SIGTERM to the workers of a spawn launch, the
     main process still waiting after 90 s). The main process raises the same instead."""
 
-    kind: str  # the exception's class name: "SIGTERMException", "KeyboardInterrupt", or a SystemExit's
-    code: Any = None  # a SystemExit's code
-
-    def rebuild(self) -> BaseException:
-        if self.kind == "KeyboardInterrupt":
-            return KeyboardInterrupt()
-        if self.kind == "SIGTERMException":
-            return SIGTERMException()
-        return SystemExit(self.code)
+    stop: BaseException
 
 
 class MainProcessLauncher(_MultiProcessingLauncher):
@@ -147,7 +139,7 @@ class MainProcessLauncher(_MultiProcessingLauncher):
 
     def _recover_results_in_main_process(self, worker_output: Any, trainer: "pl.Trainer") -> None:
         if isinstance(worker_output, _WorkerStopped):  # rank 0's run stopped (see _WorkerStopped): stop here alike
-            raise worker_output.rebuild()
+            raise worker_output.stop
         path = worker_output.weights_path
         if path is None or getattr(self._strategy, "state_dict_type", "full") != "sharded":
             return super()._recover_results_in_main_process(worker_output, trainer)
@@ -188,6 +180,7 @@ CHILDREN_GRACE = 30.0
 class _ReportingMultiProcessingLauncher(MainProcessLauncher):
     on_failure: OnFailure
     on_workers_failure: Callable[[BaseException], None]
+    _main_pid: Optional[int] = None  # the process that forwards SIGTERM (see launch)
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         """Lightning's launch, and in the main process, which is no rank, what follows a worker's failure or a Ctrl-C.
@@ -223,25 +216,24 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
         """The main process's SIGTERM handler while the workers run. A forked worker inherits it (and Lightning's
         handler there calls it too): it does nothing outside the main process. Before any worker runs, the signal ends
         this process, as it did without the handler."""
-        if os.getpid() != getattr(self, "_main_pid", None):
+        if os.getpid() != self._main_pid:
             return
         if not self._pass_on(signum):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def _pass_on(self, signum: int) -> bool:
-        """Send ``signum`` to the workers that run; whether there were any."""
-        workers = [p for p in self.procs if p.is_alive() and p.pid is not None]
+    def _pass_on(self, signum: int) -> list[Any]:
+        """Send ``signum`` to the workers that run; those workers."""
+        workers: list[Any] = [p for p in self.procs if p.is_alive() and p.pid is not None]
         for worker in workers:
             try:
-                os.kill(worker.pid, signum)  # type: ignore[arg-type]
+                os.kill(worker.pid, signum)
             except ProcessLookupError:  # ended meanwhile
                 pass
-        return bool(workers)
+        return workers
 
     def _end_workers(self, signum: int) -> None:
-        workers = [p for p in self.procs if p.is_alive() and p.pid is not None]
-        self._pass_on(signum)
+        workers = self._pass_on(signum)
         deadline = time.monotonic() + CHILDREN_GRACE
         for worker in workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -256,8 +248,7 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
             super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
         except (SystemExit, KeyboardInterrupt) as stop:
             if process_idx == 0:  # Lightning's arguments after the function: args, kwargs, the return queue
-                code = stop.code if isinstance(stop, SystemExit) else None
-                args[2].put(_WorkerStopped(type(stop).__name__, code))
+                args[2].put(_WorkerStopped(stop.with_traceback(None)))
             # Lightning tears the run down in the main process only: this worker's pipeline threads and process group
             # are still up, and the interpreter's finalizers aborted it on their way out (SIGABRT, 1 run in 3)
             exit_without_finalizers(code=0)

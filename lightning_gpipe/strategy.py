@@ -442,7 +442,7 @@ class GPipeStrategy(ParallelStrategy):
         if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
             self._mesh = make_mesh(self.layout, self.root_device)
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
-        self._failed = self._stage_optimizers = False
+        self._failed = self._stage_optimizers = self._in_main_process = False
         if self.world_size > 1:
             self._board.watch_deadlocks(after=self.failure_timeout + DEADLOCK_MARGIN)
             self._board.start(self.watchdog_grace, self.failure_timeout)
@@ -1441,21 +1441,17 @@ class GPipeStrategy(ParallelStrategy):
         Nothing is written once a rank has failed (``OnExceptionCheckpoint``, say): the stages may stand at
         different steps and the failed one cannot be asked, so a checkpoint would not be consistent.
         """
-        if self.failed and self._in_main_process:
-            rank_zero_warn(
-                f"Not saving the checkpoint {str(filepath)!r}: the pipeline's processes (start_method="
-                f"{self._start_method!r}) ended with an error or an interrupt, and Lightning runs `on_exception` in "
-                "the main process, which holds the model as it was before the run, not what the stages trained. Run "
-                "the job as a script (start_method='popen', the default) for `OnExceptionCheckpoint`, or resume from "
-                "the last checkpoint the stages saved."
-            )
-            return
         if self.failed:
-            rank_zero_warn(
-                f"Not saving the checkpoint {str(filepath)!r}: a stage of the pipeline failed, and the "
-                "stages' states may not belong to the same step. Resume from the last checkpoint saved "
-                "before the failure."
+            why = (
+                f"the pipeline's processes (start_method={self._start_method!r}) ended with an error or an interrupt, "
+                "and Lightning runs `on_exception` in the main process, which holds the model as it was before the "
+                "run, not what the stages trained. Run the job as a script (start_method='popen', the default) for "
+                "`OnExceptionCheckpoint`, or resume from the last checkpoint the stages saved."
+                if self._in_main_process
+                else "a stage of the pipeline failed, and the stages' states may not belong to the same step. Resume "
+                "from the last checkpoint saved before the failure."
             )
+            rank_zero_warn(f"Not saving the checkpoint {str(filepath)!r}: {why}")
             return
         if self.pipe is not None:
             self._merge_finetuning_groups(checkpoint)

@@ -474,8 +474,10 @@ def _unfreeze_and_fit_with_a_new_trainer(trainer: Any, module: Any, train: Any, 
     """A second ``Trainer`` of the same kind fits the same module object again, its first layer now unfrozen."""
     module.backbone[0].requires_grad_(True)
     frozen = module.backbone[0].weight.detach().clone()  # the whole model is back in the module after fit
-    pipelined = type(trainer.strategy).__name__ == "GPipeStrategy"
-    strategy = type(trainer.strategy)(chunks=trainer.strategy.chunks) if pipelined else "auto"
+    from lightning_gpipe import GPipeStrategy
+
+    pipelined = isinstance(trainer.strategy, GPipeStrategy)
+    strategy = GPipeStrategy(chunks=trainer.strategy.chunks) if pipelined else "auto"
     second = L.Trainer(
         accelerator="cpu",
         devices=len(trainer.device_ids),
