@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Optional
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import (
     ThroughputMonitor,
     WeightAveraging,
 )
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
@@ -43,6 +44,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
 from lightning_gpipe._subclass import copy_as
+from lightning_gpipe.checkpointing.files import atomic_write
 from lightning_gpipe.checkpointing.model_state import meta_state_allowed
 from lightning_gpipe.engine.failure import exit_without_finalizers
 from lightning_gpipe.engine.pipe import GPipe
@@ -50,6 +52,7 @@ from lightning_gpipe.engine.pipe import GPipe
 __all__ = [
     "MainProcessLauncher",
     "PipelineSummary",
+    "atomic_checkpoint_io",
     "averaged_copies",
     "current_hook",
     "finetuning_callbacks",
@@ -861,3 +864,47 @@ def mid_accumulation(trainer: "pl.Trainer") -> bool:
     the loop exposes no public one.
     """
     return trainer.state.fn == TrainerFn.FITTING and trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+class _AtomicWrites(CheckpointIO):
+    """A run's innermost checkpoint IO, writing each local file through :func:`atomic_write`, in whichever thread
+    writes it: the caller's, or ``AsyncCheckpointIO``'s writer thread, which writes after ``save_checkpoint``
+    returned (a rename done by the caller would find no file yet). Remote paths (``s3://``...) are the plugin's
+    own to make atomic."""
+
+    def __init__(self, io: CheckpointIO) -> None:
+        self.io = io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        target = str(path)
+        if "://" in target:
+            self.io.save_checkpoint(checkpoint, target, storage_options=storage_options)
+        else:
+            atomic_write(lambda tmp: self.io.save_checkpoint(checkpoint, tmp, storage_options=storage_options), target)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.io.load_checkpoint(*args, **kwargs)
+
+    def remove_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        self.io.remove_checkpoint(*args, **kwargs)
+
+    def teardown(self) -> None:
+        self.io.teardown()
+
+
+def atomic_checkpoint_io(io: CheckpointIO) -> CheckpointIO:
+    """``io`` with the plugin at its bottom writing atomically (:class:`_AtomicWrites`).
+
+    A wrapping plugin (Lightning's ``AsyncCheckpointIO``, a ``_WrappingCheckpointIO``) hands the write to the
+    plugin it wraps, later and in its own thread; so that plugin is wrapped in place, once. Its setter refuses a
+    plugin once one is configured, so the private ``_checkpoint_io`` is set: no public way replaces it.
+    """
+    if not isinstance(io, _WrappingCheckpointIO):
+        return io if isinstance(io, _AtomicWrites) else _AtomicWrites(io)
+    holder = io
+    while isinstance(holder.checkpoint_io, _WrappingCheckpointIO):
+        holder = holder.checkpoint_io
+    inner = holder.checkpoint_io
+    if inner is not None and not isinstance(inner, _AtomicWrites):
+        holder._checkpoint_io = _AtomicWrites(inner)
+    return io

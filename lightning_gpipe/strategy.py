@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_gpipe import metric_sync, refusals
 from lightning_gpipe._lightning import (
+    atomic_checkpoint_io,
     averaged_copies,
     count_throughput_per_pipeline,
     current_hook,
@@ -66,7 +67,6 @@ from lightning_gpipe.balancing.sample import (
 )
 from lightning_gpipe.checkpointing import model_state, optim_state
 from lightning_gpipe.checkpointing.files import (
-    atomic_write,
     is_sharded,
     load_sharded,
     save_sharded,
@@ -1477,11 +1477,8 @@ class GPipeStrategy(ParallelStrategy):
                     )
                 )
             save_sharded(checkpoint, path, writer=self.is_global_zero)
-        elif self.is_global_zero:
-            if "://" in path:  # a remote filesystem: leave atomicity to the CheckpointIO plugin
-                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            else:
-                atomic_write(lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options), path)
+        elif self.is_global_zero:  # atomic in the thread that writes (AsyncCheckpointIO's own, say)
+            atomic_checkpoint_io(self.checkpoint_io).save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def _merge_finetuning_groups(self, checkpoint: dict[str, Any]) -> None:
         """BaseFinetuning callbacks' saved param groups with every stage's parameters; collective.

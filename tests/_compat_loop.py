@@ -8,6 +8,7 @@ loop limits counted in steps, frozen layers, a step that skips the backbone. The
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any, Iterator
 
@@ -15,7 +16,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from _compat import BATCH, CLASSES, FEATURES, Base, Manual, Scenario, _backbone, _data, _loader
-from lightning.pytorch.callbacks import DeviceStatsMonitor, EarlyStopping
+from lightning.pytorch.callbacks import DeviceStatsMonitor, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
@@ -500,6 +502,26 @@ def second_trainer_after_unfreezing() -> Scenario:
     return Scenario(module, trainer={"max_epochs": 1}, after_fit=_unfreeze_and_fit_with_a_new_trainer)
 
 
+def _files_written(trainer: L.Trainer, module: L.LightningModule, train: DataLoader, val: Any) -> None:
+    """Every file in the checkpoint directory, read on the rank that wrote them (the directory is rank 0's)."""
+    if not trainer.is_global_zero:
+        return
+    directory = trainer.checkpoint_callback.dirpath  # type: ignore[union-attr]
+    assert directory is not None
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        saved = torch.load(os.path.join(directory, name), weights_only=True)
+        files[name] = (saved["global_step"], saved["state_dict"])
+    module.record["files"] = files
+
+
+def async_checkpoint_io() -> Scenario:
+    """Lightning's ``AsyncCheckpointIO``: the files are written in a thread, after ``save_checkpoint`` returned."""
+    every = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1)
+    settings = {"enable_checkpointing": True, "plugins": [AsyncCheckpointIO()]}
+    return Scenario(Base(), callbacks=[every], trainer=settings, after_fit=_files_written)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -540,5 +562,6 @@ SCENARIOS = {
         epoch_ended_by_the_hook,
         optimizer_hooks_overridden,
         second_trainer_after_unfreezing,
+        async_checkpoint_io,
     )
 }

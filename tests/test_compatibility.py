@@ -142,6 +142,19 @@ def test_overridden_optimizer_hooks_step_and_schedule_as_on_one_device(runs):
         assert got["record"] == want["record"]
 
 
+def test_async_checkpoint_io_writes_every_checkpoint_whole_as_on_one_device(runs):
+    # the full file was written to a temporary name and renamed in the caller's thread, while AsyncCheckpointIO
+    # writes later in its own: the rename found no file and the run ended in a FileNotFoundError at the first save
+    want, (first, second) = _check("async_checkpoint_io", runs)
+    assert list(want["record"]["files"]) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+    assert "files" not in second["record"]  # rank 1 wrote nothing: the directory is rank 0's
+    assert list(first["record"]["files"]) == list(want["record"]["files"])  # no temporary file left beside them
+    for name, (step, weights) in want["record"]["files"].items():
+        got_step, got = first["record"]["files"][name]
+        assert got_step == step
+        assert _same_weights(got, weights) <= 1e-6, name
+
+
 @pytest.mark.parametrize(
     "name",
     [
