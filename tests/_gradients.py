@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import nn
 from torch.nn.utils import clip_grad_norm_ as torch_clip_grad_norm_  # bound before any pipeline exists, as users do
+from torch.nn.utils import get_total_norm  # the same, for torch's two-step clipping
 from torch.utils.data import DataLoader
 
 #: Splits of the 7-layer tied backbone: with K=2 both ties span stages 0 and 1; with K=3 the weight tie
@@ -29,6 +30,9 @@ RUNS = {
     "gradient_clip_val": ("trainer", 2.0, 0.05),  # Lightning's clipping, through the strategy
     "torch clip 2": ("torch clip", 2.0, 0.05),  # torch's own clip_grad_norm_, with and without the pipeline
     "torch clip inf": ("torch clip", float("inf"), 0.02),
+    # torch's two steps, get_total_norm then clip_grads_with_norm_: by the name bound above, and by torch's own name
+    "torch two steps 2": ("torch two steps", 2.0, 0.05),
+    "torch two steps inf": ("torch two steps", float("inf"), 0.02),
 }
 #: The runs of each layout (processes, data-parallel replicas): all on 2 stages, fewer on the slower layouts.
 LAYOUTS = {
@@ -46,7 +50,9 @@ class GradNet(M.Net):
     ``clip_grad_norm_(self.parameters(), max_norm, norm_type)`` (``"clip"``), and records the result:
     with this package's functions if ``gpipe``, else with Lightning's and torch's (the one-device
     reference). ``"trainer"``: nothing in the hook, the Trainer clips (``gradient_clip_val=max_norm``).
-    ``"torch clip"``: torch's ``clip_grad_norm_`` in the hook, with the pipeline too.
+    ``"torch clip"``: torch's ``clip_grad_norm_`` in the hook, with the pipeline too. ``"torch two steps"``:
+    torch's ``get_total_norm`` of the gradients (the 2-norm by the name this module bound, the others by
+    ``torch.nn.utils.get_total_norm``), then ``clip_grads_with_norm_`` with it, with the pipeline too.
     """
 
     def __init__(self, action: str, norm_type: float, max_norm: float, gpipe: bool) -> None:
@@ -76,6 +82,12 @@ class GradNet(M.Net):
             self.records.append(total.detach().clone())
         elif self.action == "torch clip":
             total = torch_clip_grad_norm_(self.parameters(), self.max_norm, self.norm_type)
+            self.records.append(total.detach().clone())
+        elif self.action == "torch two steps":
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            norm = get_total_norm if self.norm_type == 2.0 else torch.nn.utils.get_total_norm
+            total = norm(grads, self.norm_type)
+            torch.nn.utils.clip_grads_with_norm_(self.parameters(), self.max_norm, total)
             self.records.append(total.detach().clone())
 
 

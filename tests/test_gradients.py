@@ -120,6 +120,15 @@ def test_torchs_own_clip_grad_norm_in_a_hook_clips_by_the_whole_models_norm_as_o
     _assert_clipped_as_on_one_device(layout, run, layouts, references)
 
 
+@pytest.mark.parametrize("layout, run", _cases("torch two steps"))
+def test_torchs_get_total_norm_then_clip_grads_with_norm_clips_by_the_whole_models_norm_as_on_one_device(
+    layout, run, layouts, references
+):
+    """torch's documented two steps, by a name bound before any pipeline existed and by torch's own name: each stage
+    took its own stage's norm and clipped by it (2.2e-2 off one device after 8 steps in a probe, K=2)."""
+    _assert_clipped_as_on_one_device(layout, run, layouts, references)
+
+
 def test_trainer_gradient_clip_val_clips_by_the_whole_models_norm(layouts, references):
     """``Trainer(gradient_clip_val=...)`` goes through ``lightning_gpipe.clip_grad_norm_`` as well."""
     expected = references("gradient_clip_val", 1)
@@ -221,6 +230,7 @@ def test_clip_grad_norm_without_a_pipeline_is_torchs_bit_for_bit(norm_type):
 def test_torchs_clip_grad_norm_is_routed_on_this_torch_and_stays_torchs_own_without_a_live_pipeline():
     """The routing finds its hook in this torch (a torch that moves it fails here, not silently in a fit), and
     with no pipeline of several stages live, torch's function gives what torch's own helper gives, bit for bit."""
+    from lightning_gpipe.engine.clipping import TORCH_TOTAL_NORM
     from lightning_gpipe.engine.torch_clipping import route_torch_clip_grad_norm, routed
 
     assert route_torch_clip_grad_norm() and routed()
@@ -228,7 +238,9 @@ def test_torchs_clip_grad_norm_is_routed_on_this_torch_and_stays_torchs_own_with
     model, reference = _with_gradients(), _with_gradients()
     got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, 3.0)
     grads = [p.grad for p in reference.parameters() if p.grad is not None]
-    expected = torch.nn.utils.get_total_norm(grads, 3.0)  # torch's helper itself, not the routed name
+    expected = TORCH_TOTAL_NORM(grads, 3.0)  # torch's helper itself, kept before the routing
+    assert torch.nn.utils.get_total_norm is not TORCH_TOTAL_NORM  # torch's public name is routed as well
+    assert torch.equal(torch.nn.utils.get_total_norm(grads, 3.0), expected)
     torch.nn.utils.clip_grads_with_norm_(reference.parameters(), 0.5, expected)
     assert torch.equal(got, expected) and expected.item() > 0.5
     for p, q in zip(model.parameters(), reference.parameters()):

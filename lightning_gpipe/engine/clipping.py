@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,9 +49,16 @@ def check_norm_type(norm_type: Union[float, int, str]) -> float:
     return value
 
 
+#: torch's own norm helper (``torch.nn.utils.get_total_norm``), kept before :mod:`~.torch_clipping` points torch's
+#: names at the norm over every stage, which takes each stage's share with this one
+TORCH_TOTAL_NORM: Callable[..., Tensor] = (
+    getattr(torch.nn.utils.clip_grad, "_get_total_norm", None) or torch.nn.utils.get_total_norm
+)
+
+
 def _share(grads: list[Tensor], p: float, foreach: Optional[bool], dtype: torch.dtype) -> Tensor:
     """The part of the norm that ``grads`` hold: the sum of ``|g|^p``, or for ``inf`` the largest ``|g|``."""
-    norm = torch.nn.utils.get_total_norm(grads, p, False, foreach).to(dtype)
+    norm = TORCH_TOTAL_NORM(grads, p, False, foreach).to(dtype)
     return norm if math.isinf(p) else norm**p
 
 

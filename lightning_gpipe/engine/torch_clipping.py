@@ -13,6 +13,13 @@ that helper is :func:`_total_norm`, which joins the stages' shares as :func:`lig
 clipping itself stays torch's: every stage scales by the one factor. With no such pipeline live, the helper calls
 torch's own.
 
+The same helper is torch's public ``torch.nn.utils.get_total_norm``, the first half of the two-step clipping that
+torch documents (``get_total_norm``, then ``clip_grads_with_norm_`` with that norm) and what code logs as the
+gradient norm. Called on one stage's gradients it gave that stage's norm: each stage clipped by its own (2.2e-2
+off one device after 8 steps in a probe, K=2) and rank 0 logged stage 0's. So that public name, and any module's
+own binding of it (``from torch.nn.utils import get_total_norm`` runs before the pipeline exists), become
+:func:`_get_total_norm`, the same norm under its own name in the messages; torch's modules keep theirs.
+
 Written by hand because neither torch nor Lightning has a hook for it: Lightning's own clipping
 (``gradient_clip_val``) goes through the strategy's precision plugin, which this package routes already, but
 torch's function is plain code. Like :func:`lightning_gpipe.clip_grad_norm_`, it is then collective over the
@@ -21,9 +28,10 @@ stages: call it on every rank, as hook code does.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.utils.clip_grad as torch_clip_grad
@@ -34,9 +42,6 @@ from lightning_gpipe.engine.gradients import owning_pipe
 from lightning_gpipe.engine.pipe import GPipe, live_pipes, on_pipeline_built
 
 __all__ = ["route_torch_clip_grad_norm", "routed"]
-
-#: torch's helper, kept while :func:`_total_norm` stands in for it
-_torch_total_norm: Optional[Callable[..., Tensor]] = None
 
 
 def routed() -> bool:
@@ -50,7 +55,6 @@ def route_torch_clip_grad_norm() -> bool:
     Called when a pipeline of several stages is built. Returns False, with a warning that says what to use
     instead, where this torch's ``clip_grad_norm_`` no longer looks up ``_get_total_norm`` in its module.
     """
-    global _torch_total_norm
     if routed():
         return True
     helper = getattr(torch_clip_grad, "_get_total_norm", None)
@@ -64,9 +68,31 @@ def route_torch_clip_grad_norm() -> bool:
             stacklevel=2,
         )
         return False
-    _torch_total_norm = helper
     torch_clip_grad._get_total_norm = _total_norm
+    _route_bindings(helper)
     return True
+
+
+def _route_bindings(helper: Callable[..., Tensor]) -> None:
+    """Point every module-level binding of torch's ``get_total_norm`` outside torch at :func:`_get_total_norm`.
+
+    torch's public name first; then the names other modules bound to the same function, which a call looks up in
+    their own module (a script's ``from torch.nn.utils import get_total_norm``), since neither torch nor Python has
+    a hook that reaches a name bound before the pipeline existed. :func:`_get_total_norm` gives torch's own result for
+    any gradients no live pipeline holds, so a binding that never sees a pipeline's gradients keeps its result.
+    """
+    if getattr(torch.nn.utils, "get_total_norm", None) is helper:
+        torch.nn.utils.get_total_norm = _get_total_norm
+    for name, module in list(sys.modules.items()):
+        if module is None or name == "torch" or name.startswith(("torch.", "lightning_gpipe.")):
+            continue
+        try:
+            namespace: dict[str, Any] = vars(module)
+        except TypeError:  # not a module: an object some library put in sys.modules
+            continue
+        for key, value in list(namespace.items()):
+            if value is helper:
+                namespace[key] = _get_total_norm
 
 
 def _pipeline(grads: list[Tensor]) -> Optional[GPipe]:
@@ -84,17 +110,38 @@ def _total_norm(
     error_if_nonfinite: bool = False,
     foreach: Optional[bool] = None,
 ) -> Tensor:
-    """torch's ``_get_total_norm`` of the gradients ``clip_grad_norm_`` was given, over every stage of the pipeline.
+    """torch's ``_get_total_norm`` of the gradients ``clip_grad_norm_`` was given, over every stage of the pipeline
+    (see :func:`_joined`)."""
+    return _joined(tensors, norm_type, error_if_nonfinite, foreach, "torch.nn.utils.clip_grad_norm_")
+
+
+def _get_total_norm(
+    tensors: Union[Tensor, Iterable[Tensor]],
+    norm_type: Union[float, int, str] = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+) -> Tensor:
+    """torch's public ``get_total_norm`` of a pipeline's gradients, over every stage (see :func:`_joined`)."""
+    return _joined(tensors, norm_type, error_if_nonfinite, foreach, "torch.nn.utils.get_total_norm")
+
+
+def _joined(
+    tensors: Union[Tensor, Iterable[Tensor]],
+    norm_type: Union[float, int, str],
+    error_if_nonfinite: bool,
+    foreach: Optional[bool],
+    call: str,
+) -> Tensor:
+    """The norm of ``tensors`` over every stage of the pipeline whose gradients they are, or torch's own of them.
 
     The gradients of this stage's parameters are its share; the others (a head's, a stem's) are the same on every
     stage and count once; a tied parameter's copy that an earlier stage counts is skipped. A stage given none
-    (a frozen stage) still joins, with a share of 0.
+    (a frozen stage) still joins, with a share of 0. Collective over the stages, waited for as ``call``.
     """
     grads = [tensors] if isinstance(tensors, Tensor) else list(tensors)
     pipe = _pipeline(grads)
-    assert _torch_total_norm is not None  # set with the routing
     if pipe is None:
-        return _torch_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        return clipping.TORCH_TOTAL_NORM(grads, norm_type, error_if_nonfinite, foreach)
     own_ids = {id(p.grad) for p in pipe.parameters() if p.grad is not None}
     skip = {id(p.grad) for p in pipe.ties.counted_elsewhere() if p.grad is not None}
     with torch.no_grad():
@@ -107,7 +154,7 @@ def _total_norm(
             norm_type=norm_type,
             error_if_nonfinite=error_if_nonfinite,
             foreach=foreach,
-            watch=pipe.watch("torch.nn.utils.clip_grad_norm_ (its norm over all stages)"),
+            watch=pipe.watch(f"{call} (its norm over all stages)"),
             device=pipe.device,
         )
 
