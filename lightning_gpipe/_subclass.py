@@ -22,7 +22,9 @@ T = TypeVar("T")
 @functools.lru_cache(maxsize=None)
 def _subclass(mixin: type, base: Any) -> Any:
     cls = type(f"{mixin.__name__.lstrip('_')}{base.__name__}", (mixin, base), {})
-    cls.__qualname__ = cls.__name__
+    # the original's qualified name, under which Lightning keys state in checkpoints (the precision plugin's entry,
+    # a callback's state key), so that a pipeline's checkpoint and one device's use the same keys
+    cls.__qualname__ = base.__qualname__
     cls.__module__ = mixin.__module__
     return cls
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import BatchSizeFinder, ModelPruning
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
@@ -27,24 +26,10 @@ __all__ = [
     "stage_sharded_sampler",
     "sync_batchnorm",
     "empty_everywhere",
-    "fp16_scaler",
     "timed_validation",
     "unsupported_finetuning",
     "whole_gradient_optimizers",
 ]
-
-
-def fp16_scaler(plugin: Precision) -> None:
-    """Loss scaling per stage."""
-    # A GradScaler per stage would decide on its own stage's gradients alone: the stages would disagree on
-    # skipping a step and on the scale, and the backbone's gradients would be unscaled by another scale than
-    # the one they were scaled with. bf16 needs no scaler.
-    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-        raise ValueError(
-            f"precision={plugin.precision!r} is not supported by the gpipe strategy: it scales the loss with a "
-            "GradScaler on each stage, and the stages would disagree on skipped steps and on the scale. Use "
-            "precision='bf16-mixed' (no loss scaling needed), or '32-true'."
-        )
 
 
 def sync_batchnorm(layer_sync: Any, module: nn.Module, processes: int) -> None:

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -93,6 +93,7 @@ from lightning_gpipe.engine.failure import (
     destroy_process_groups_at_exit,
     exit_without_finalizers,
 )
+from lightning_gpipe.engine.grad_scaler import JoinedInfCheck, loss_scale_state
 from lightning_gpipe.engine.gradients import clip_grad_norm_, stage_norm_keys
 from lightning_gpipe.engine.host_malloc import keep_freed_memory
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
@@ -739,7 +740,6 @@ class GPipeStrategy(ParallelStrategy):
         self._sigterm.install(trainer)  # before the Trainer registers its signal handlers
         self._requeue.install(trainer, self.cluster_environment, self.world_size)
         self._interrupt.install(trainer, self.world_size, self.global_rank)
-        refusals.fp16_scaler(self.precision_plugin)
         refusals.timed_validation(validation_interval_seconds(trainer) if self.world_size > 1 else None)
         assert self.lightning_module is not None
         refusals.sync_batchnorm(self._layer_sync, self.lightning_module, self.world_size)
@@ -749,6 +749,10 @@ class GPipeStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         plugin: Any = copy_as(self.precision_plugin, _GlobalNormClipping)  # the user's plugin class, subclassed
         plugin.pipeline = lambda: self.pipe
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:  # float16: one verdict on infs
+            scaler: Any = copy_as(plugin.scaler, JoinedInfCheck)
+            scaler.pipeline = lambda: self.pipe
+            plugin.scaler = scaler
         self.precision_plugin = plugin
         self.pipe = self._build_pipe()
         module = self.lightning_module
@@ -885,7 +889,10 @@ class GPipeStrategy(ParallelStrategy):
         if pipe is None or pipe.group is None or trainer is None or not self._active():
             return
         state = get_rng_state(self.root_device, everything=True)
-        settings = optimizer_settings([_unwrap(o) for o in self.optimizers], trainer.global_step)
+        scaler = getattr(self.precision_plugin, "scaler", None)  # float16's: every stage scales the loss alike
+        settings = optimizer_settings(
+            [_unwrap(o) for o in self.optimizers], trainer.global_step, loss_scale_state(scaler)
+        )
         outer = self._outer.fingerprint() if self._outer is not None else 0
         loss = loss_bits(self._last_loss)
         drawn = self._split_weights.changed(pipe.parameters())

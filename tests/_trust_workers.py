@@ -371,14 +371,6 @@ def stage_grad_norms(rank: int, world_size: int) -> None:
     _fit(LightningsGradNorm(), world_size)
 
 
-def fp16_fit(rank: int, world_size: int) -> None:
-    """``16-mixed`` with a GradScaler, which the strategy refuses at setup on every rank."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    _fit(M.Net(), world_size, plugins=[plugin])
-
-
 class StopOnRankZero(Callback):
     """Sets ``trainer.should_stop`` from rank zero only, in ``hook``, at epoch ``epoch`` (batch ``batch``)."""
 

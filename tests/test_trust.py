@@ -17,14 +17,12 @@ import time
 
 import _models as M
 import _trust_workers as W
-import lightning as L
 import pytest
 import torch
 from _scripts import LAUNCH_VARIABLES, ROOT
-from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-from lightning_gpipe import GPipe, GPipeStrategy
+from lightning_gpipe import GPipe
 from lightning_gpipe.launch import run_processes
 
 BOUND = 60.0
@@ -291,20 +289,6 @@ def test_lightnings_grad_norm_logged_in_a_pipeline_stops_every_rank_pointing_to_
         expected = f"PipelineError: Before training batch 1, rank {rank} (stage {rank}) had logged "
         assert error.startswith(expected), error
         assert "`grad_2.0_norm/" in error and "lightning_gpipe.grad_norm(self, norm_type)" in error
-
-
-def test_16_mixed_is_refused_at_setup_pointing_to_bf16_mixed():
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    trainer = L.Trainer(strategy=GPipeStrategy(), devices=1, plugins=[plugin], **M.trainer_kwargs(max_steps=1))
-    with pytest.raises(ValueError, match=r"precision='16-mixed' is not supported.*GradScaler.*bf16-mixed"):
-        trainer.fit(M.Net(), M.loader())
-
-
-def test_16_mixed_is_refused_on_every_rank_of_a_pipeline_before_the_first_step():
-    outcome = run_processes(W.fp16_fit, 2, timeout=120)
-    _assert_all_ended_with_errors(outcome)
-    for error in outcome.errors:
-        assert error.startswith("ValueError: precision='16-mixed' is not supported by the gpipe strategy"), error
 
 
 def test_a_second_backward_through_the_pipeline_says_what_to_do_instead():

@@ -41,7 +41,7 @@ DIFFERENT_SETTINGS_CAUSES = (
     "`self.parameters()`, which holds only this rank's stage during a fit, such as a rate scaled by the model's "
     "size or `ReduceLROnPlateau` monitoring a weight norm; use a logged loss or metric, which every stage shares, "
     "or count the model before `fit`), or code under `@rank_zero_only` or `if trainer.is_global_zero:` that "
-    "changes a learning rate: change it on every rank."
+    "changes a learning rate or the GradScaler's scale: change it on every rank."
 )
 
 #: Why the stages' losses can differ, and what to do instead.
@@ -107,10 +107,14 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def optimizer_settings(optimizers: Sequence[torch.optim.Optimizer], step: int) -> dict[str, Any]:
-    """The global step and every param group's settings (all but its parameters), per optimizer, in order."""
+def optimizer_settings(
+    optimizers: Sequence[torch.optim.Optimizer], step: int, loss_scale: Optional[tuple[float, int]] = None
+) -> dict[str, Any]:
+    """The global step, float16's loss scale and growth tracker (:func:`~.grad_scaler.loss_scale_state`) and every
+    param group's settings (all but its parameters), per optimizer, in order."""
     return {
         "global step": step,
+        "loss scale": loss_scale,
         "optimizers": [
             (type(o).__name__, [{k: _plain(v) for k, v in g.items() if k != "params"} for g in o.param_groups])
             for o in optimizers
@@ -156,6 +160,8 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> Optional[tuple[str
     """
     if a["global step"] != b["global step"]:
         return "the global step", a["global step"], b["global step"]
+    if a.get("loss scale") != b.get("loss scale"):
+        return "the GradScaler's (scale, growth tracker)", a.get("loss scale"), b.get("loss scale")
     if len(a["optimizers"]) != len(b["optimizers"]):
         return "the number of optimizers", len(a["optimizers"]), len(b["optimizers"])
     for index, ((name, groups), (other, others)) in enumerate(zip(a["optimizers"], b["optimizers"])):
