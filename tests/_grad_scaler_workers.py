@@ -62,25 +62,34 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, torch.randint(0, 3, (96,), generator=g)), batch_size=8)
 
 
-def fit(devices: Optional[int], chunks: int = 1, callbacks: tuple = ()) -> dict[str, Any]:
-    """``devices=None``: one device without this package; else the gpipe strategy on ``devices`` processes.
+def fit(
+    devices: Optional[int],
+    chunks: int = 1,
+    callbacks: tuple = (),
+    steps: int = STEPS,
+    name: str = "",
+    resume: Optional[str] = None,
+) -> dict[str, Any]:
+    """``devices=None``: one device without this package; else the gpipe strategy on ``devices`` processes. Norm
+    clipping at 5 (after the scaler's unscale_, so with the infs in the gradients on the steps it skips).
 
-    The checkpoint written after the last step is read back: its loss-scale entry, under the precision plugin's
-    class name, as one device keys it."""
+    The checkpoint written after the last step, ``<name>.ckpt``, is read back: its loss-scale entry, under the
+    precision plugin's class name, as one device keys it. ``resume``: the checkpoint to resume from."""
     L.seed_everything(0, verbose=False)
     torch.set_num_threads(1)
     model = Net()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
     directory = tempfile.mkdtemp() if devices is None else os.environ["GPIPE_TEST_TMP"]
+    name = name or f"fp16-{chunks}"
     kwargs: dict[str, Any] = dict(
         accelerator="cpu",
-        max_steps=STEPS,
+        max_steps=steps,
+        gradient_clip_val=5.0,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=directory, filename=f"fp16-{chunks}", every_n_train_steps=STEPS)]
-        + list(callbacks),
+        callbacks=[ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=steps)] + list(callbacks),
     )
     if devices is None:
         trainer = L.Trainer(devices=1, **kwargs)
@@ -88,8 +97,8 @@ def fit(devices: Optional[int], chunks: int = 1, callbacks: tuple = ()) -> dict[
         from lightning_gpipe import GPipeStrategy
 
         trainer = L.Trainer(strategy=GPipeStrategy(chunks=chunks), devices=devices, **kwargs)
-    trainer.fit(model, _loader())
-    saved = torch.load(os.path.join(directory, f"fp16-{chunks}.ckpt"), weights_only=False)
+    trainer.fit(model, _loader(), ckpt_path=resume)
+    saved = torch.load(os.path.join(directory, f"{name}.ckpt"), weights_only=False)
     return {
         "scales": model.scales,
         "own_infs": model.own_infs,
@@ -104,7 +113,11 @@ def references(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def pipelined(rank: int, world_size: int) -> dict[str, Any]:
-    return {"chunks=1": fit(world_size, chunks=1), "chunks=4": fit(world_size, chunks=4)}
+    """``chunks`` 1 and 4, and the first run again in two halves: stopped after step 6 (mid-epoch), then resumed."""
+    runs = {"chunks=1": fit(world_size, chunks=1), "chunks=4": fit(world_size, chunks=4)}
+    fit(world_size, steps=STEPS // 2, name="half")
+    runs["resumed"] = fit(world_size, name="resumed", resume=os.path.join(os.environ["GPIPE_TEST_TMP"], "half.ckpt"))
+    return runs
 
 
 def scale_changed_on_rank_zero(rank: int, world_size: int) -> None:

@@ -36,6 +36,15 @@ def test_an_overflow_on_one_stage_skips_the_step_on_every_stage_as_on_one_device
     assert any(first["chunks=1"]["own_infs"]) and not any(second["chunks=1"]["own_infs"])
 
 
+def test_a_resume_from_the_middle_continues_with_the_saved_scale_exactly(runs):
+    _, pipelined = runs
+    for rank in pipelined:
+        whole, resumed = rank["chunks=1"], rank["resumed"]
+        assert resumed["scales"] == whole["scales"][W.STEPS // 2 :]
+        assert _worst(resumed["weights"], whole["weights"]) == 0.0
+        assert resumed["saved scaler"] == whole["saved scaler"]
+
+
 def test_with_micro_batches_the_loss_scale_and_weights_do_not_depend_on_the_number_of_stages(runs):
     # each micro-batch's float16 gradients are rounded and can overflow on their own, so with chunks > 1 the
     # skips can differ from one device's; they do not depend on K
