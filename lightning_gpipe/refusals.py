@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.callbacks import BatchSizeFinder, ModelPruning
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -25,6 +26,8 @@ __all__ = [
     "graph_logging",
     "stage_sharded_sampler",
     "sync_batchnorm",
+    "sharded_optimizer_state",
+    "optimizer_built_on_meta",
     "empty_everywhere",
     "timed_validation",
     "unsupported_finetuning",
@@ -133,6 +136,46 @@ def whole_gradient_optimizers(optimizers: list[Optimizer], stages: int) -> None:
             "number of times and wait on each other forever. Use a first-order optimizer (SGD, Adam, AdamW, ...), "
             "whose step is computed per parameter, or train without pipeline stages (devices=1, or pipe_size=1)."
         )
+
+
+def sharded_optimizer_state(optimizers: list[Optimizer], stages: int) -> None:
+    """torch's ``ZeroRedundancyOptimizer``, which shards the optimizer state over the processes of its group."""
+    # Its group is every process of the job by default, and it broadcasts each shard's updated parameters from
+    # the process that owns it: in a pipeline those processes hold different layers, so the broadcasts would
+    # pair tensors of different layers (or shapes) or wait forever.
+    if stages == 1:
+        return
+    for optimizer in optimizers:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise ValueError(_ZERO.format(stages=stages))
+
+
+def optimizer_built_on_meta(error: BaseException, stages: int) -> None:
+    """Raise a clearer error where ``configure_optimizers`` failed on another stage's ``meta`` parameters."""
+    # While it runs, the layers other stages hold read as their meta copies (so that groups chosen by position
+    # come out alike on every stage), and torch.optim.Optimizer.__init__ drops them: an optimizer that examines
+    # its parameters before that call trips over them with an error that names only the meta device.
+    text = str(error)
+    if stages == 1 or "meta" not in text:
+        return
+    if "ZeroRedundancyOptimizer" in text:
+        raise ValueError(_ZERO.format(stages=stages)) from error
+    raise RuntimeError(
+        f"configure_optimizers failed under the gpipe strategy with {stages} stages: {type(error).__name__}: {text} "
+        "While it runs, the backbone's layers that other stages hold are on the meta device (so that param groups "
+        "chosen by position come out alike on every stage), and torch.optim.Optimizer.__init__ drops them; this "
+        "optimizer examined its parameters before that. Build it from this stage's parameters only "
+        "(`filter(lambda p: not p.is_meta, self.parameters())`), or use a torch.optim optimizer."
+    ) from error
+
+
+_ZERO = (
+    "torch.distributed.optim.ZeroRedundancyOptimizer is not supported by the gpipe strategy with {stages} stages: it "
+    "shards the optimizer state over the processes of its group (every process of the job by default) and "
+    "broadcasts each shard's parameters from the process that owns it, but the processes of a pipeline hold "
+    "different layers. Each stage's optimizer already holds only its own stage's state; use the optimizer it "
+    "wraps (optimizer_class) directly."
+)
 
 
 def unsupported_finetuning(callback: str, layout: PipeLayout, pipe: Optional[GPipe], backbone: str) -> None:

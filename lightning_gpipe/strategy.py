@@ -1062,10 +1062,15 @@ class GPipeStrategy(ParallelStrategy):
         """
         # a layer another stage holds reads as its meta copy: `self.backbone[-1].parameters()`, then dropped
         every_layer = self.pipe.all_layers() if self.pipe is not None else nullcontext()
-        with accept_empty_parameter_lists() as emptied, every_layer:
-            super().setup_optimizers(trainer)
+        try:
+            with accept_empty_parameter_lists() as emptied, every_layer:
+                super().setup_optimizers(trainer)
+        except Exception as error:
+            refusals.optimizer_built_on_meta(error, self.layout.pipe_size)
+            raise
         self._emptied = emptied
         refusals.whole_gradient_optimizers([_unwrap(o) for o in self.optimizers], self.layout.pipe_size)
+        refusals.sharded_optimizer_state([_unwrap(o) for o in self.optimizers], self.layout.pipe_size)
         finetuning = finetuning_callbacks(trainer)
         if finetuning:
             refusals.unsupported_finetuning(type(finetuning[0]).__name__, self.layout, self.pipe, self.backbone)

@@ -63,7 +63,33 @@ class KeptReference(M.Net):
         return self.head(self.nets["backbone"](x))
 
 
-MODELS = {"skipped steps": SkipsOddSteps, "frozen": Frozen, "kept reference": KeptReference}
+class ShardedOptimizerState(M.Net):
+    """torch's ZeroRedundancyOptimizer over ``self.parameters()``, as a DDP script builds it."""
+
+    def configure_optimizers(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+
+
+class ChecksItsParameters(M.Net):
+    """An optimizer that examines its parameters before ``torch.optim.Optimizer.__init__`` (a device check)."""
+
+    def configure_optimizers(self):
+        params = list(self.parameters())
+        devices = {p.device.type for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(devices)}")
+        return torch.optim.SGD(params, lr=0.1)
+
+
+MODELS = {
+    "skipped steps": SkipsOddSteps,
+    "frozen": Frozen,
+    "kept reference": KeptReference,
+    "sharded optimizer state": ShardedOptimizerState,
+    "checks its parameters": ChecksItsParameters,
+}
 
 
 def fit(rank: int, world_size: int, model: str) -> None:

@@ -145,3 +145,23 @@ def test_the_sequential_called_through_a_reference_kept_before_the_split_stops_e
     assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
     for error in outcome.errors:  # its own, or the other rank's, reported
         assert "The backbone's nn.Sequential was called directly, through a reference kept before it was split" in error
+
+
+def test_zero_redundancy_optimizer_is_refused_on_every_rank_naming_the_optimizer_to_use():
+    # it failed in its constructor on the other stages' meta parameters, with an error naming only the meta device
+    outcome = run_processes(W.fit, 2, "sharded optimizer state", timeout=120)
+    assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
+    for error in outcome.errors:
+        assert error.startswith("ValueError: torch.distributed.optim.ZeroRedundancyOptimizer is not supported"), error
+        assert "hold different layers" in error and "optimizer_class" in error
+
+
+def test_an_optimizer_that_checks_its_parameters_before_torch_sees_the_meta_layers_and_the_error_says_so():
+    outcome = run_processes(W.fit, 2, "checks its parameters", timeout=120)
+    assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
+    for error in outcome.errors:
+        assert error.startswith(
+            "RuntimeError: configure_optimizers failed under the gpipe strategy with 2 stages: "
+            "ValueError: all parameters must be on one device, got ['cpu', 'meta']"
+        ), error
+        assert "not p.is_meta" in error
