@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -93,7 +93,7 @@ from lightning_gpipe.engine.failure import (
     destroy_process_groups_at_exit,
     exit_without_finalizers,
 )
-from lightning_gpipe.engine.grad_scaler import JoinedInfCheck, loss_scale_state
+from lightning_gpipe.engine.grad_scaler import loss_scale_state
 from lightning_gpipe.engine.gradients import clip_grad_norm_, stage_norm_keys
 from lightning_gpipe.engine.host_malloc import keep_freed_memory
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
@@ -749,10 +749,6 @@ class GPipeStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         plugin: Any = copy_as(self.precision_plugin, _GlobalNormClipping)  # the user's plugin class, subclassed
         plugin.pipeline = lambda: self.pipe
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:  # float16: one verdict on infs
-            scaler: Any = copy_as(plugin.scaler, JoinedInfCheck)
-            scaler.pipeline = lambda: self.pipe
-            plugin.scaler = scaler
         self.precision_plugin = plugin
         self.pipe = self._build_pipe()
         module = self.lightning_module

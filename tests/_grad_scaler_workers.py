@@ -122,3 +122,37 @@ def pipelined(rank: int, world_size: int) -> dict[str, Any]:
 
 def scale_changed_on_rank_zero(rank: int, world_size: int) -> None:
     fit(world_size, chunks=2, callbacks=(HalveScaleOnRankZero(),))
+
+
+# -- plain PyTorch: GPipe and torch.amp.GradScaler in a loop of one's own, no Lightning ----------------------------
+
+
+def plain(rank: int, world_size: int, pipelined: bool) -> dict[str, Any]:
+    """The same 12 steps in a plain loop (autocast, ``scaler.scale(loss).backward()``, ``scaler.step``, ``update``):
+    on a ``GPipe`` over ``world_size`` processes, or (``pipelined=False``) on the Sequential in one process."""
+    import torch.distributed as dist
+
+    from lightning_gpipe import GPipe
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model: nn.Module = Net().backbone
+    if pipelined:
+        dist.init_process_group("gloo")
+        model = GPipe(model, chunks=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    scales = []
+    for x, y in _loader():
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if pipelined:
+        model.close()  # type: ignore[operator]
+        dist.destroy_process_group()
+    return {"scales": scales, "weights": weights}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _grad_scaler_workers as W
 import pytest
+import torch
 
 from lightning_gpipe.launch import run_ok, run_processes
 
@@ -63,3 +64,12 @@ def test_a_loss_scale_changed_on_rank_zero_only_stops_every_stage_before_the_nex
     for error in outcome.errors:
         assert error.startswith("PipelineError: The pipeline's stages disagree on their optimizers before"), error
         assert "the GradScaler's (scale, growth tracker) is (" in error and "on stage 1 (rank 1)" in error
+
+
+def test_a_plain_pytorch_loop_with_torchs_grad_scaler_skips_and_scales_as_one_process():
+    # without Lightning: torch's own GradScaler, whose verdict joins the stages once a pipeline is built
+    (want,) = run_ok(W.plain, 1, False, timeout=120)
+    assert min(want["scales"]) < 2.0**16  # steps were skipped
+    for got in run_ok(W.plain, 2, True, timeout=120):
+        assert got["scales"] == want["scales"]
+        assert got["weights"] and all(torch.equal(got["weights"][n], want["weights"][n]) for n in got["weights"])

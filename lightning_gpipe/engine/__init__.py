@@ -10,7 +10,10 @@ are torch's and Lightning's functions for the whole model, for code that runs on
 ``docs/architecture.md``.
 """
 
-from lightning_gpipe.engine import torch_clipping  # noqa: F401  (routes torch's clip_grad_norm_ once a pipeline is built)
+from lightning_gpipe.engine import (
+    grad_scaler,  # noqa: F401  (routes torch's GradScaler once a pipeline is built)
+    torch_clipping,  # noqa: F401  (routes torch's clip_grad_norm_ once a pipeline is built)
+)
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.checkpoint import is_recomputing
 from lightning_gpipe.engine.failure import PipelineError
