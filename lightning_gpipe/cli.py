@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import warnings
 from typing import Any, Optional
@@ -39,6 +38,7 @@ from lightning_gpipe.balancing.plan import (
     plan_table,
     profile_for_plan,
 )
+from lightning_gpipe.balancing.plan.auto import parse_bytes as auto_bytes
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.strategy import missing_backbone
 from lightning_gpipe.tasks import AmoebaNetClassifier, ImageDataModule
@@ -104,20 +104,12 @@ def run(args: ArgsType = None) -> GPipeCLI:
     )
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
 def parse_bytes(text: str) -> float:
-    """``"16GiB"``, ``"512MB"``, ``"1e9"``: a number of bytes.
-
-    >>> parse_bytes("16GiB"), parse_bytes("1.5kb"), parse_bytes("100")
-    (17179869184.0, 1500.0, 100.0)
-    """
-    found = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
-    unit = found.group(2).lower() if found else ""
-    if found is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write a number and B, KB, MB, GB, KiB, MiB or GiB.")
-    return float(found.group(1)) * _UNITS[unit]
+    """``"16GiB"``, ``"512MB"``, ``"1e9"``: a number of bytes, for argparse (see :func:`~.plan.auto.parse_bytes`)."""
+    try:
+        return auto_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _plan_parser() -> argparse.ArgumentParser:

@@ -54,7 +54,7 @@ from lightning_gpipe._lightning import (
 )
 from lightning_gpipe._subclass import copy_as
 from lightning_gpipe.balancing.check import BalanceCheck, ComputeTally, compare
-from lightning_gpipe.balancing.plan.auto import AUTO, AutoChoice, choose
+from lightning_gpipe.balancing.plan.auto import AUTO, AutoChoice, choose, parse_bytes
 from lightning_gpipe.balancing.plan.link import LinkModel, measure_link
 from lightning_gpipe.balancing.plan.search import searched_split
 from lightning_gpipe.balancing.profiling import COST_KINDS, LayerCosts, crossable_at, profile_layers
@@ -135,6 +135,15 @@ _runs = itertools.count()  # names each run's failure board; every rank counts i
 
 #: The training batches the balance check times: batches _CHECK_FROM to _CHECK_FROM + _CHECK_STEPS - 1.
 _CHECK_FROM, _CHECK_STEPS = 2, 4
+
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def _check_seconds(name: str, seconds: Any) -> None:
+    """A duration argument: a positive number of seconds (a string from a config would fail later, deep inside)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"`{name}` must be a positive number of seconds, got {seconds!r}.")
 
 
 def missing_backbone(module: nn.Module, backbone: str) -> ValueError:
@@ -223,8 +232,8 @@ class GPipeStrategy(ParallelStrategy):
             activations of the last ``N`` micro-batches, recompute the others): which micro-batches drop
             their activations in the forward and recompute them in the backward. ``"auto"``: the
             planner's choice, as for ``chunks``.
-        max_memory: bytes per device the ``"auto"`` choices must fit in; by default a CUDA device's
-            total memory, and no cap on the CPU.
+        max_memory: bytes per device the ``"auto"`` choices must fit in (a number, or a size such as
+            ``"16GiB"``); by default a CUDA device's total memory, and no cap on the CPU.
         backbone: the attribute (a dotted path is allowed) that holds the Sequential.
         pipe_size: stages per pipeline; the default is every device of a node. With fewer, the
             processes form ``world_size // pipe_size`` data-parallel replicas of the pipeline.
@@ -268,7 +277,7 @@ class GPipeStrategy(ParallelStrategy):
         balance: Union[Sequence[int], Literal["params", "time", "memory", "auto"], None] = None,
         chunks: Union[int, Literal["auto"]] = 4,
         checkpoint: str = "except_last",
-        max_memory: Optional[float] = None,
+        max_memory: Union[float, str, None] = None,
         backbone: str = "backbone",
         pipe_size: Optional[int] = None,
         seed: Optional[int] = None,
@@ -310,8 +319,33 @@ class GPipeStrategy(ParallelStrategy):
                 check_checkpoint_mode(checkpoint)
         except ValueError as error:
             raise ValueError(f"{error} Or 'auto': the planner's choice.") from None
-        if max_memory is not None and not max_memory > 0:
-            raise ValueError(f"`max_memory` must be a positive number of bytes per device, got {max_memory!r}.")
+        if isinstance(max_memory, str):
+            try:
+                max_memory = parse_bytes(max_memory)
+            except ValueError as error:
+                raise ValueError(f"`max_memory`: {error}") from None
+        if max_memory is not None and (
+            isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or not max_memory > 0
+        ):
+            raise ValueError(
+                f"`max_memory` must be a positive number of bytes per device (or a size such as '16GiB'), got "
+                f"{max_memory!r}."
+            )
+        for name, seconds in (
+            ("timeout", timeout),
+            ("watchdog_grace", watchdog_grace),
+            ("failure_timeout", failure_timeout),
+        ):
+            _check_seconds(name, seconds)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(
+                f"`seed` must be an integer (the root of the pipeline's random streams) or None (the first stage's "
+                f"torch.initial_seed(), which seed_everything sets), got {seed!r}."
+            )
+        if start_method not in _START_METHODS:
+            raise ValueError(f"`start_method` must be one of {_START_METHODS}, got {start_method!r}.")
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"`deferred_batch_norm` must be True or False, got {deferred_batch_norm!r}.")
         #: What the user asked for; ``chunks``, ``checkpoint`` and ``balance`` hold what runs (the plan's, if "auto").
         self.requested = (balance, chunks, checkpoint)
         self.max_memory = max_memory

@@ -222,11 +222,37 @@ def test_stage_output_that_is_not_tensors_in_tuples_lists_or_dicts():
         ({"balance": 5}, "`balance` must be a list of positive integers"),
         ({"pipe_size": 0}, "`pipe_size` must be a positive integer"),
         ({"backbone": ""}, "`backbone` must name the attribute"),
+        # these were accepted, and failed later inside the run (or never)
+        ({"timeout": -1}, r"`timeout` must be a positive number of seconds, got -1"),
+        ({"timeout": "600"}, r"`timeout` must be a positive number of seconds, got '600'"),
+        ({"failure_timeout": 0}, "`failure_timeout` must be a positive number of seconds"),
+        ({"watchdog_grace": True}, "`watchdog_grace` must be a positive number of seconds"),
+        ({"start_method": "thread"}, r"`start_method` must be one of \('popen', 'spawn', 'fork', 'forkserver'\)"),
+        ({"max_memory": "16 parsecs"}, r"`max_memory`: '16 parsecs' is not a size: write a number and B, KB"),
+        ({"max_memory": [1]}, r"`max_memory` must be a positive number of bytes per device \(or a size such as"),
     ],
 )
 def test_bad_strategy_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPipeStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seed": "x"}, r"`seed` must be an integer .* or None"),
+        ({"seed": 1.5}, r"`seed` must be an integer"),
+        ({"deferred_batch_norm": "yes"}, r"`deferred_batch_norm` must be True or False, got 'yes'"),
+    ],
+)
+def test_arguments_of_the_wrong_type_fail_at_construction(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        GPipeStrategy(**kwargs)
+
+
+def test_max_memory_takes_a_size_as_the_plan_command_does():
+    assert GPipeStrategy(max_memory="16GiB").max_memory == 16 * 2**30
+    assert GPipeStrategy(max_memory=1e9).max_memory == 1e9
 
 
 def test_pipe_size_that_does_not_divide_the_processes():

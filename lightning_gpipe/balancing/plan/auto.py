@@ -7,6 +7,7 @@ the plain part: which candidates the user's fixed settings leave open, the plan,
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,26 @@ __all__ = ["AUTO", "AutoChoice", "choose"]
 
 #: The value of ``chunks``, ``checkpoint`` or ``balance`` that asks the planner.
 AUTO = "auto"
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> float:
+    """``"16GiB"``, ``"512MB"``, ``"1e9"``: a number of bytes (``max_memory``, the CLI's ``--memory``).
+
+    >>> parse_bytes("16GiB"), parse_bytes("1.5kb"), parse_bytes("100")
+    (17179869184.0, 1500.0, 100.0)
+    """
+    found = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
+    unit = found.group(2).lower() if found else ""
+    try:
+        number = float(found.group(1)) if found is not None and unit in _UNITS else None
+    except ValueError:
+        number = None
+    if number is None:
+        raise ValueError(f"{text!r} is not a size: write a number and B, KB, MB, GB, KiB, MiB or GiB.")
+    return number * _UNITS[unit]
 
 
 @dataclass(frozen=True)
