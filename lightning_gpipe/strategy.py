@@ -111,6 +111,8 @@ from lightning_gpipe.engine.partition import (
 from lightning_gpipe.engine.pipe import (
     DEADLOCK_MARGIN,
     GPipe,
+    check_seconds,
+    check_seed,
     refuse_lazy_layers,
     refuse_own_forward,
     refuse_reserved_names,
@@ -138,12 +140,6 @@ _CHECK_FROM, _CHECK_STEPS = 2, 4
 
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-def _check_seconds(name: str, seconds: Any) -> None:
-    """A duration argument: a positive number of seconds (a string from a config would fail later, deep inside)."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"`{name}` must be a positive number of seconds, got {seconds!r}.")
 
 
 def missing_backbone(module: nn.Module, backbone: str) -> ValueError:
@@ -336,12 +332,8 @@ class GPipeStrategy(ParallelStrategy):
             ("watchdog_grace", watchdog_grace),
             ("failure_timeout", failure_timeout),
         ):
-            _check_seconds(name, seconds)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(
-                f"`seed` must be an integer (the root of the pipeline's random streams) or None (the first stage's "
-                f"torch.initial_seed(), which seed_everything sets), got {seed!r}."
-            )
+            check_seconds(name, seconds)
+        check_seed(seed)
         if start_method not in _START_METHODS:
             raise ValueError(f"`start_method` must be one of {_START_METHODS}, got {start_method!r}.")
         if not isinstance(deferred_batch_norm, bool):

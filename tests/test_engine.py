@@ -321,3 +321,17 @@ def test_sync_batch_norm_inside_a_layer_is_refused_for_several_stages_naming_it_
     with pytest.raises(ValueError, match=r"Layer 1 \(Sequential\) of the backbone holds an nn.SyncBatchNorm \(`1`\)"):
         refuse_sync_batch_norm(backbone, 2)
     refuse_sync_batch_norm(backbone, 1)  # one stage: plain data parallelism, where SyncBatchNorm is what it is for
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"timeout": -1}, ValueError, r"`timeout` must be a positive number of seconds, got -1"),
+        ({"timeout": "5"}, ValueError, r"`timeout` must be a positive number of seconds, got '5'"),
+        ({"seed": "x"}, TypeError, r"`seed` must be an integer"),
+    ],
+)
+def test_gpipe_checks_its_timeout_and_seed_at_construction(kwargs, error, message):
+    # both were accepted: a string timeout failed at the first message, a string seed at the first random draw
+    with pytest.raises(error, match=message):
+        GPipe(nn.Sequential(nn.Linear(3, 3), nn.Tanh()), **kwargs)

@@ -205,6 +205,21 @@ def _called_aside(module: nn.Module, args: Any) -> None:
         )
 
 
+def check_seconds(name: str, seconds: Any) -> None:
+    """A duration argument: a positive number of seconds (a string from a config would fail later, deep inside)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"`{name}` must be a positive number of seconds, got {seconds!r}.")
+
+
+def check_seed(seed: Any) -> None:
+    """``seed``: an integer, or None (the first stage's ``torch.initial_seed()``)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(
+            f"`seed` must be an integer (the root of the pipeline's random streams) or None (the first stage's "
+            f"torch.initial_seed(), which seed_everything sets), got {seed!r}."
+        )
+
+
 class GPipe(nn.Module):
     """Run ``module`` as a ``K``-stage pipeline over ``K`` processes, this process holding one stage.
 
@@ -289,6 +304,8 @@ class GPipe(nn.Module):
         for name, flag in (("split_backward", split_backward), ("check_per_sample", check_per_sample)):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{name}` must be True or False, got {flag!r}.")
+        check_seconds("timeout", timeout)
+        check_seed(seed)
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
         refuse_own_forward(module, "The module given to GPipe")
