@@ -312,6 +312,15 @@ def embedding_first() -> Scenario:
     return Scenario(Language(), train=_loader(tokens=True))
 
 
+def sparse_embedding_first() -> Scenario:
+    """``nn.Embedding(sparse=True)``: sparse gradients, accumulated over 2 batches and clipped by norm. The default
+    balance profiles it (by time), whose byte count took the sparse gradient's storage and failed."""
+    module = Language()
+    module.backbone[0] = nn.Embedding(20, 4, sparse=True)
+    settings = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    return Scenario(module, train=_loader(tokens=True), trainer=settings)
+
+
 class Twice(Base):
     """Two backbone calls in one step (a siamese loss); the drain runs once per call."""
 
@@ -892,6 +901,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         loggers_and_lr_monitor,
         compiled_layers,
         embedding_first,
+        sparse_embedding_first,
         backbone_called_twice,
         tuples_across_stages,
         structures_across_stages,

@@ -67,6 +67,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "two_optimizers",
         "compiled_layers",
         "embedding_first",
+        "sparse_embedding_first",
         "backbone_called_twice",
         "tuples_across_stages",
         "structures_across_stages",

@@ -39,3 +39,18 @@ def test_in_place_writes_and_views_count_no_new_bytes_and_left_out_tensors_are_n
     assert live.held("start") == KIB and live.held("end") == 3 * KIB
     assert live.peak("start", "end", leave_out=[grad]) == KIB
     assert view.untyped_storage().data_ptr() == existing.untyped_storage().data_ptr()
+
+
+def test_a_sparse_gradient_counts_its_indices_and_values_and_can_be_left_out():
+    # a sparse nn.Embedding's gradient: taking its storage raised, so profiling such a backbone (the default
+    # balance, by time) failed with "Cannot access storage of SparseTensorImpl"
+    embedding = torch.nn.Embedding(64, 16, sparse=True)
+    with LiveBytes() as live:
+        live.mark("start")
+        embedding(torch.tensor([[1, 2, 3]])).sum().backward()
+        live.mark("after")
+    grad = embedding.weight.grad
+    assert grad is not None and grad.is_sparse
+    parts = grad._indices().untyped_storage().nbytes() + grad._values().untyped_storage().nbytes()
+    assert live.held("after") >= parts
+    assert live.held("after", leave_out=[grad]) == live.held("after") - parts

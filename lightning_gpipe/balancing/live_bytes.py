@@ -78,18 +78,15 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def _count(self, t: Tensor) -> None:
-        """Count ``t``'s storage from now until it is freed, unless it is counted already."""
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors: not followed
-            return
-        pointer, size = storage.data_ptr(), storage.nbytes()
-        if not pointer or pointer in self._keys:
-            return
-        key = len(self.events)
-        self._keys[pointer] = key
-        self.events.append((key, size))
-        weakref.finalize(storage, self._release, pointer, key, size)
+        """Count ``t``'s storages from now until they are freed, unless they are counted already."""
+        for storage in _storages(t):
+            pointer, size = storage.data_ptr(), storage.nbytes()
+            if not pointer or pointer in self._keys:
+                continue
+            key = len(self.events)
+            self._keys[pointer] = key
+            self.events.append((key, size))
+            weakref.finalize(storage, self._release, pointer, key, size)
 
     def _release(self, pointer: int, key: int, size: int) -> None:
         if self._keys.get(pointer) == key:
@@ -121,7 +118,27 @@ class LiveBytes(TorchDispatchMode):
     def _keys_of(self, tensors: Iterable[Tensor]) -> set[int]:
         keys = set()
         for t in tensors:
-            key = self._keys.get(t.untyped_storage().data_ptr())
-            if key is not None:
-                keys.add(key)
+            for storage in _storages(t):
+                key = self._keys.get(storage.data_ptr())
+                if key is not None:
+                    keys.add(key)
         return keys
+
+
+def _storages(t: Tensor) -> list[Any]:
+    """The storages that hold ``t``'s data: its own; a sparse tensor's index and value tensors' (a sparse
+    ``nn.Embedding``'s gradient, say); none for a wrapper tensor without storage, which is not followed."""
+    if t.layout == torch.strided:
+        try:
+            return [t.untyped_storage()]
+        except (RuntimeError, NotImplementedError):
+            return []
+    if t.layout == torch.sparse_coo:
+        parts = [t._indices(), t._values()]
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [t.crow_indices(), t.col_indices(), t.values()]
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = [t.ccol_indices(), t.row_indices(), t.values()]
+    else:
+        return []
+    return [storage for part in parts for storage in _storages(part)]
