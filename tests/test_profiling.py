@@ -95,8 +95,8 @@ def test_a_layer_that_fails_is_named_by_index_and_type():
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), Boom(), nn.Linear(3, 3))
     with pytest.raises(
         RuntimeError,
-        match=r"Profiling layer 2 \(Boom\) of the backbone failed with RuntimeError: "
-        r"broken layer.*`balance`",
+        match=r"Profiling layer 2 \(Boom\) of the backbone on a micro-batch of 2 samples failed with RuntimeError: "
+        r"broken layer.*a reshape to a fixed batch size.*`balance`",
     ):
         profile_layers(model, torch.randn(2, 3))
 

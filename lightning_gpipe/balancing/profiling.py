@@ -161,8 +161,11 @@ def profile_layers(
                         structure.flatten(x)  # the backbone output: what cannot leave a stage cannot leave the pipe
                 except Exception as error:
                     raise RuntimeError(
-                        f"Profiling layer {index} ({type(layer).__name__}) of the backbone failed with "
-                        f"{type(error).__name__}: {error}. Fix the layer, or give the split explicitly with `balance`."
+                        f"Profiling layer {index} ({type(layer).__name__}) of the backbone on a micro-batch of {size} "
+                        f"sample{'s' * (size != 1)} failed with {type(error).__name__}: {error}. The pipeline runs "
+                        "every layer on micro-batches too, so a layer that assumes the whole batch's size (a reshape "
+                        "to a fixed batch size) fails there as well. Fix the layer, or give the split explicitly with "
+                        "`balance`."
                     ) from error
                 if sweep == 0:
                     activations[index] = measured.activation
