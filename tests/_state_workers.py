@@ -111,6 +111,35 @@ def statistic_across_boundary(devices: int, stage: int, keepdim: bool) -> None:
     trainer.fit(model, M.loader())
 
 
+def quantization_aware_backbone() -> nn.Sequential:
+    """Linear layers prepared for quantization-aware training (fake-quantize modules with observers), 8 features out
+    for the head of `M.Net`."""
+    import torch.ao.quantization as Q
+
+    model = nn.Sequential(nn.Linear(M.FEATURES, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+    model.qconfig = Q.get_default_qat_qconfig("x86")
+    return Q.prepare_qat(model)
+
+
+def quantization_aware(devices: Any, chunks: int, checkpoint: str = "except_last") -> dict[str, Any]:
+    """5 steps of the quantization-aware backbone with the default balance (profiled by time): ``devices=None`` is
+    one device without this package. The observers' range is a statistic over the batch, so with ``chunks > 1`` the
+    per-sample check is off (each micro-batch observes its own range, as GPipe runs BatchNorm)."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    model.backbone = quantization_aware_backbone()
+    if devices is None:
+        trainer = L.Trainer(devices=1, **M.trainer_kwargs())
+    else:
+        strategy = GPipeStrategy(chunks=chunks, checkpoint=checkpoint, check_per_sample=chunks == 1)
+        trainer = L.Trainer(strategy=strategy, devices=devices, **M.trainer_kwargs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notes
+        return M.fit_record(model, trainer, M.loader(shuffle=False))
+
+
 def sweep(rank: int, world_size: int) -> dict[str, Any]:
     """Everything of the 2-stage tests in one spawn; the failing run last (a failed run ends the process)."""
     results: dict[str, Any] = {
@@ -119,6 +148,9 @@ def sweep(rank: int, world_size: int) -> dict[str, Any]:
         "warnings: plain, chunks=4": batch_norm_warnings(world_size, chunks=4),
         "warnings: deferred, chunks=4": batch_norm_warnings(world_size, chunks=4, deferred_batch_norm=True),
         "warnings: plain, chunks=1": batch_norm_warnings(world_size, chunks=1),
+        "quantization-aware, chunks=1": quantization_aware(world_size, chunks=1),
+        "quantization-aware, chunks=2, always": quantization_aware(world_size, chunks=2, checkpoint="always"),
+        "quantization-aware, chunks=2, never": quantization_aware(world_size, chunks=2, checkpoint="never"),
     }
     start = time.monotonic()
     try:

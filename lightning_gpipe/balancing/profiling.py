@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.engine import microbatch, structure
+from lightning_gpipe.engine.checkpoint import restore_buffer
 from lightning_gpipe.engine.rng import isolated_rng
 from lightning_gpipe.engine.sample_check import probing
 from lightning_gpipe.engine.skip import SkipKey, SkipTracker, find_skips, use_tracker
@@ -315,9 +316,8 @@ def _profile_layer(
             if pointer not in counted:
                 saved[pointer] = size
     finally:
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+        for buffer, value in buffers:
+            restore_buffer(buffer, value)
         if home is not None:
             layer.to(home)
     y = microbatch.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), y)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.checkpoint import restore_buffer
 from lightning_gpipe.engine.rng import isolated_rng
 
 __all__ = ["NoSampleError", "backbone_input", "backbone_sample", "capture_input", "described", "sample_micro_batch"]
@@ -102,9 +103,8 @@ def _kept(owner: Optional[nn.Module], target: nn.Module) -> Iterator[None]:
     finally:
         for name in silenced:
             delattr(owner, name)
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+        for buffer, value in buffers:
+            restore_buffer(buffer, value)
         for metric, state in states:
             for key, value in state.items():
                 setattr(metric, key, value)

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_gpipe.engine.microbatch import host_bytes
+
 __all__ = [
     "DIFFERENT_LOSS_CAUSES",
     "DIFFERENT_SETTINGS_CAUSES",
@@ -130,7 +132,7 @@ class _TensorsAsBytes(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             flat = obj.detach().cpu().contiguous().reshape(-1)
-            return tuple, ((str(obj.dtype), tuple(obj.shape), flat.view(torch.uint8).numpy().tobytes()),)
+            return tuple, ((str(obj.dtype), tuple(obj.shape), bytes(host_bytes(flat))),)
         return NotImplemented
 
 

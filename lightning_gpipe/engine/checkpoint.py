@@ -25,6 +25,7 @@ __all__ = [
     "keep",
     "is_recomputing",
     "recomputing",
+    "restore_buffer",
 ]
 
 #: The re-materialization policies of torchgpipe, by name.
@@ -124,6 +125,26 @@ def recomputing() -> Iterator[None]:
 _Slot = tuple[nn.Module, str]
 
 
+def restore_buffer(buffer: Tensor, value: Tensor) -> None:
+    """Give ``buffer`` the value (and the shape) ``value`` holds, in place, without a graph.
+
+    Through ``.data`` where the shape is the same: a graph may hold the buffer (BatchNorm's backward keeps the
+    running statistics it was given), and a write that bumped its version would make autograd reject that graph.
+    A buffer that a forward resized in place, as a quantization observer resizes its ``min_val`` and ``max_val``
+    at its first observation, gets its old shape back first: a plain copy of an older value failed there ("The
+    size of tensor a (32) must match the size of tensor b (0)").
+    """
+    with torch.no_grad():
+        if buffer.shape != value.shape:
+            buffer.resize_(value.shape)
+        buffer.data.copy_(value)
+
+
+def _changed(now: Tensor, before: Tensor) -> bool:
+    """Whether a buffer holds another shape or value than its copy from before the forward (NaN counts as changed)."""
+    return now.shape != before.shape or not torch.equal(now, before)
+
+
 class ForwardWrites:
     """The buffers a stage's forward writes, kept so that a recompute neither sees nor leaves other values.
 
@@ -136,12 +157,15 @@ class ForwardWrites:
     forward passes alone, as if nothing had been recomputed.
 
     Which buffers a forward writes is learned, not guessed: a buffer written in place has a new
-    ``_version`` (or the module holds a new tensor) after the forward. BatchNorm's kernel updates the
-    running statistics without a new version, so every buffer of a norm layer that tracks running
-    statistics counts as written from the start. Until the first forward has been watched, every buffer
-    is copied (once); after it, only the written ones. A buffer first written in a later call (a layer
-    that writes every N steps) is learned then: in that one call its recompute starts from its current
-    value, and it is still put back afterwards.
+    ``_version`` (or the module holds a new tensor) after the forward, or, for the copied ones, another
+    shape or value. Some kernels write without a new version: BatchNorm's running statistics (so every
+    buffer of a norm layer that tracks running statistics counts as written from the start) and a
+    quantization-aware layer's observer and fake-quantize state (``fused_moving_avg_obs_fake_quant``,
+    which also resizes ``min_val`` at its first call; its recompute then quantized with the values the
+    forward had left, 2.4e-3 off a run without re-materialization after 4 steps). Until the first forward has
+    been watched, every buffer is copied (once); after it, only the written ones. A buffer first written in a
+    later call (a layer that writes every N steps) is learned then: in that one call its recompute starts from
+    its current value, and it is still put back afterwards.
     """
 
     def __init__(self, stage: nn.Module) -> None:
@@ -175,7 +199,9 @@ class ForwardWrites:
         yield values
         for i, (t, version) in enumerate(zip(tensors, versions)):
             now = self._buffer(i)
-            if now is not t or now._version != version:
+            if i in self._written:
+                continue
+            if now is not t or now._version != version or (i in values and _changed(now, values[i])):
                 self._written.add(i)
         self._learned = True
         for i in [i for i in values if i not in self._written]:
@@ -185,14 +211,10 @@ class ForwardWrites:
     def replayed(self, values: dict[int, Tensor]) -> Iterator[None]:
         """The recompute: the buffers hold ``values`` (from :meth:`before`) inside, and what they held before after."""
         current = {i: self._buffer(i).detach().clone() for i in sorted(self._written)}
-        # Through `.data`: a graph may hold these buffers (BatchNorm's backward keeps the running statistics it
-        # was given), and a write that bumped their version would make autograd reject that graph.
-        with torch.no_grad():
-            for i, value in values.items():
-                self._buffer(i).data.copy_(value)
+        for i, value in values.items():
+            restore_buffer(self._buffer(i), value)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for i, value in current.items():
-                    self._buffer(i).data.copy_(value)
+            for i, value in current.items():
+                restore_buffer(self._buffer(i), value)
