@@ -104,25 +104,31 @@ def _pipeline(grads: list[Tensor]) -> Optional[GPipe]:
     return owning_pipe(held)
 
 
-def _total_norm(
-    tensors: Union[Tensor, Iterable[Tensor]],
-    norm_type: Union[float, int, str] = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: Optional[bool] = None,
-) -> Tensor:
-    """torch's ``_get_total_norm`` of the gradients ``clip_grad_norm_`` was given, over every stage of the pipeline
-    (see :func:`_joined`)."""
-    return _joined(tensors, norm_type, error_if_nonfinite, foreach, "torch.nn.utils.clip_grad_norm_")
+def _norm_for(call: str, doc: str) -> Callable[..., Tensor]:
+    """A stand-in for torch's norm helper with its signature, which :func:`_joined` waits for as ``call``."""
+
+    def norm(
+        tensors: Union[Tensor, Iterable[Tensor]],
+        norm_type: Union[float, int, str] = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> Tensor:
+        return _joined(tensors, norm_type, error_if_nonfinite, foreach, call)
+
+    norm.__doc__ = doc
+    return norm
 
 
-def _get_total_norm(
-    tensors: Union[Tensor, Iterable[Tensor]],
-    norm_type: Union[float, int, str] = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: Optional[bool] = None,
-) -> Tensor:
-    """torch's public ``get_total_norm`` of a pipeline's gradients, over every stage (see :func:`_joined`)."""
-    return _joined(tensors, norm_type, error_if_nonfinite, foreach, "torch.nn.utils.get_total_norm")
+#: torch's ``_get_total_norm`` of the gradients ``clip_grad_norm_`` was given, over every stage of the pipeline
+_total_norm = _norm_for(
+    "torch.nn.utils.clip_grad_norm_",
+    "torch's ``_get_total_norm`` of the gradients ``clip_grad_norm_`` was given, over every stage (see ``_joined``).",
+)
+#: torch's public ``get_total_norm`` of a pipeline's gradients, over every stage
+_get_total_norm = _norm_for(
+    "torch.nn.utils.get_total_norm",
+    "torch's public ``get_total_norm`` of a pipeline's gradients, over every stage (see ``_joined``).",
+)
 
 
 def _joined(
