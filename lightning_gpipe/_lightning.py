@@ -51,6 +51,7 @@ from lightning_gpipe.engine.pipe import GPipe
 
 __all__ = [
     "MainProcessLauncher",
+    "START_METHODS",
     "PipelineSummary",
     "atomic_checkpoint_io",
     "averaged_copies",
@@ -176,6 +177,9 @@ class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
         return super().launch(_reporting(function, self.on_failure), *args, trainer=trainer, **kwargs)
 
 
+#: How the strategy's processes can be started: Lightning's subprocess launcher, or its multiprocessing one
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
 #: Seconds the main process of a spawn or fork launch waits for its workers to end after a Ctrl-C, before it kills them.
 CHILDREN_GRACE = 30.0
 
@@ -276,8 +280,8 @@ def launcher(
     if start_method == "popen":
         chosen = _ReportingSubprocessLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     else:
-        if start_method not in ("spawn", "fork", "forkserver"):
-            raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
+        if start_method not in START_METHODS:
+            raise ValueError(f"`start_method` must be one of {START_METHODS}, got {start_method!r}.")
         chosen = _ReportingMultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
         chosen.on_workers_failure = on_workers_failure
     chosen.on_failure = on_failure

@@ -8,6 +8,7 @@ optimizers, the split), so every rank refuses alike, before any batch. Each refu
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import BatchSizeFinder, ModelPruning
@@ -156,7 +157,7 @@ def optimizer_built_on_meta(error: BaseException, stages: int) -> None:
     # come out alike on every stage), and torch.optim.Optimizer.__init__ drops them: an optimizer that examines
     # its parameters before that call trips over them with an error that names only the meta device.
     text = str(error)
-    if stages == 1 or "meta" not in text:
+    if stages == 1 or not re.search(r"\bmeta\b", text):  # the device ("torch.meta.FloatTensor"), not "metadata"
         return
     if "ZeroRedundancyOptimizer" in text:
         raise ValueError(_ZERO.format(stages=stages)) from error

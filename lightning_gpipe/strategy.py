@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_gpipe import metric_sync, refusals
 from lightning_gpipe._lightning import (
+    START_METHODS,
     atomic_checkpoint_io,
     averaged_copies,
     count_throughput_per_pipeline,
@@ -137,9 +138,6 @@ _runs = itertools.count()  # names each run's failure board; every rank counts i
 
 #: The training batches the balance check times: batches _CHECK_FROM to _CHECK_FROM + _CHECK_STEPS - 1.
 _CHECK_FROM, _CHECK_STEPS = 2, 4
-
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 def missing_backbone(module: nn.Module, backbone: str) -> ValueError:
@@ -334,8 +332,8 @@ class GPipeStrategy(ParallelStrategy):
         ):
             check_seconds(name, seconds)
         check_seed(seed)
-        if start_method not in _START_METHODS:
-            raise ValueError(f"`start_method` must be one of {_START_METHODS}, got {start_method!r}.")
+        if start_method not in START_METHODS:
+            raise ValueError(f"`start_method` must be one of {START_METHODS}, got {start_method!r}.")
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"`deferred_batch_norm` must be True or False, got {deferred_batch_norm!r}.")
         #: What the user asked for; ``chunks``, ``checkpoint`` and ``balance`` hold what runs (the plan's, if "auto").
