@@ -299,6 +299,17 @@ def compiled_layers() -> Scenario:
     return Scenario(Base(backbone))
 
 
+def scripted_layers() -> Scenario:
+    """Layers compiled by ``torch.jit.script`` first and last (a stage each): every rank puts the other stage's
+    scripted layer back at the end of ``fit``, which ``to_empty`` refused ("not supported on ScriptModules")."""
+    backbone = _backbone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated, and still used
+        backbone[0] = torch.jit.script(backbone[0])
+        backbone[4] = torch.jit.script(nn.Sequential(backbone[4]))
+    return Scenario(Base(backbone))
+
+
 class Language(Base):
     """Tokens in, an Embedding first: the first stage takes integer input, which has no gradient."""
 
@@ -900,6 +911,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
         metrics,
         loggers_and_lr_monitor,
         compiled_layers,
+        scripted_layers,
         embedding_first,
         sparse_embedding_first,
         backbone_called_twice,

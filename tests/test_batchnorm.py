@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from unittest import mock
 
 import _batchnorm_workers as W
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe import DeferredBatchNorm, GPipe
+from lightning_gpipe.engine.batchnorm import per_micro_batch_norms
 from lightning_gpipe.launch import run_ok
 
 
@@ -78,6 +80,19 @@ def test_conversion_replaces_nested_batch_norms_shares_parameters_and_keeps_batc
     assert converted.weight is inner.weight and converted.running_mean is inner.running_mean
     assert model[1] is untracked  # no running statistics: nothing to defer
     assert list(model.state_dict()) == keys  # checkpoints load into the unconverted model
+
+
+def test_a_scripted_batch_norm_is_named_by_the_warning_and_refused_by_the_conversion():
+    """``torch.jit.script`` turns a BatchNorm into a RecursiveScriptModule, which ``isinstance`` checks miss and
+    which cannot be replaced: it was neither converted nor warned about, so its statistics moved per micro-batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated, and still used
+        block = torch.jit.script(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+        untracked = torch.jit.script(nn.BatchNorm1d(3, track_running_stats=False))
+    model = nn.Sequential(nn.Linear(3, 3), block, untracked)
+    assert per_micro_batch_norms(model) == ["1.1"]
+    with pytest.raises(ValueError, match=r"deferred_batch_norm: the BatchNorm layer '1\.1' is compiled by `torch\.jit"):
+        DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=2)
 
 
 def test_chunks_must_be_a_positive_integer():

@@ -66,6 +66,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "manual_optimization",
         "two_optimizers",
         "compiled_layers",
+        "scripted_layers",
         "embedding_first",
         "sparse_embedding_first",
         "backbone_called_twice",

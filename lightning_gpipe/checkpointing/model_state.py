@@ -183,6 +183,18 @@ def reassemble_copy(copy: StageCopy) -> nn.Sequential:
     return full
 
 
+def _empty_on_cpu(layer: nn.Module) -> None:
+    """Give a ``meta`` layer uninitialized CPU storage, also a TorchScript one.
+
+    ``Module.to_empty`` is what this is, but a ``ScriptModule`` refuses it ("not supported on ScriptModules")
+    while it accepts the ``_apply`` that ``to_empty`` is built on (and that its ``.to("meta")`` went through).
+    """
+    if isinstance(layer, torch.jit.ScriptModule):
+        layer._apply(lambda t: torch.empty_like(t, device="cpu"))
+    else:
+        layer.to_empty(device="cpu")
+
+
 def _fill(
     own_layers: nn.Module, full: nn.Sequential, local: list[tuple[int, nn.Module]], gather: Gather
 ) -> nn.Sequential:
@@ -202,7 +214,7 @@ def _fill(
         for index, (layer_name, layer) in enumerate(zip(layer_names(full), full)):
             if index in indices:
                 continue
-            layer.to_empty(device="cpu")
+            _empty_on_cpu(layer)
             for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
                 key = f"{layer_name}.{name}"
                 if key not in values:

@@ -53,8 +53,22 @@ def per_micro_batch_norms(module: nn.Module) -> list[str]:
     return [
         name
         for name, m in module.named_modules()
-        if isinstance(m, _BatchNorm) and m.track_running_stats and not isinstance(m, DeferredBatchNorm)
+        if (isinstance(m, _BatchNorm) and m.track_running_stats and not isinstance(m, DeferredBatchNorm))
+        or _scripted_batch_norm(m)
     ]
+
+
+def _scripted_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm that tracks running statistics, compiled by ``torch.jit.script``.
+
+    A scripted module is a ``RecursiveScriptModule``, not a ``_BatchNorm``: ``isinstance`` misses it, and it
+    cannot be replaced inside a scripted parent. Its ``original_name`` still names the class it came from.
+    """
+    return (
+        isinstance(module, torch.jit.ScriptModule)
+        and "BatchNorm" in getattr(module, "original_name", "")
+        and getattr(module, "running_mean", None) is not None
+    )
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -185,6 +199,14 @@ class DeferredBatchNorm(_BatchNorm):
             return module
         if isinstance(module, _BatchNorm) and module.track_running_stats:
             return cls._from_batch_norm(module, chunks)  # type: ignore[return-value]
+        scripted = [name or "(the module itself)" for name, m in module.named_modules() if _scripted_batch_norm(m)]
+        if scripted:
+            raise ValueError(
+                f"deferred_batch_norm: the BatchNorm layer {scripted[0]!r} is compiled by `torch.jit.script` (inside "
+                "a ScriptModule), and a scripted module cannot be replaced by a DeferredBatchNorm, so its running "
+                "statistics would move once per micro-batch (DeferredBatchNorm cannot be scripted either). Leave the "
+                "BatchNorm unscripted (script the layers around it), or use chunks=1."
+            )
         for name, child in module.named_children():
             converted = cls.convert_deferred_batch_norm(child, chunks)
             if converted is not child:
