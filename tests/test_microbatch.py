@@ -53,6 +53,14 @@ def test_batch_size_rejects_disagreeing_tensors_and_tensorless_batches():
         microbatch.batch_size(torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("lengths", [[3, 1], [1]])  # [1]: every field has 1 row, so the sizes agree
+def test_batch_size_refuses_a_packed_sequence_which_cannot_be_cut_into_samples(lengths):
+    padded = torch.zeros(3, len(lengths), 4)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(padded, lengths, enforce_sorted=False)
+    with pytest.raises(ValueError, match="holds a PackedSequence, whose `data` packs every sample"):
+        microbatch.batch_size({"tokens": packed})
+
+
 def test_gather_concatenates_each_output_of_a_tuple():
     outs = [(torch.full((2, 3), float(i)), torch.full((2,), i)) for i in range(3)]
     joined = microbatch.gather(outs)

@@ -115,6 +115,12 @@ def batch_size(batch: Any) -> int:
             f"The backbone input holds no tensor (got {type(batch).__name__}); pass a Tensor, or a tuple, "
             "list or dict of Tensors, so that it can be cut into micro-batches."
         )
+    if _holds_packed_sequence(batch):
+        raise ValueError(
+            "The backbone input holds a PackedSequence, whose `data` packs every sample's time steps together "
+            "(time-major), so it cannot be cut into micro-batches of samples. Pass the padded tensor and the lengths "
+            "(batch first) and pack them inside the backbone's first layer."
+        )
     sizes = set()
     for t in leaves:
         if t.dim() == 0:
@@ -129,6 +135,13 @@ def batch_size(batch: Any) -> int:
             "Micro-batching cuts every tensor at the same samples, so they must agree."
         )
     return sizes.pop()
+
+
+def _holds_packed_sequence(batch: Any) -> bool:
+    """Whether ``batch`` holds a ``PackedSequence``: a namedtuple of tensors, which would be cut field by field."""
+    packed = torch.nn.utils.rnn.PackedSequence
+    found = leaves(batch, lambda leaf: isinstance(leaf, packed) or not is_container(leaf))
+    return any(isinstance(leaf, packed) for leaf in found)
 
 
 def check_chunks(chunks: object) -> int:
