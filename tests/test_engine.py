@@ -45,6 +45,7 @@ def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightnin
             f"The backbone is partitioned over 2 stages and this process holds only layers {layers} (stage {rank})"
         )
         assert "local_layers()" in results[rank]["iteration"]
+        assert "code that runs them one by one (a loop, torch's `checkpoint_sequential`)" in results[rank]["iteration"]
 
 
 def _deep(width=64, depth=8, dropout=0.0):

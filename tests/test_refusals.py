@@ -113,6 +113,7 @@ def test_selecting_a_layer_another_stage_holds_stops_every_rank_naming_the_layer
     assert "this process runs stage 1, which holds layers [3, 4, 5, 6]" in report
     prefix = "backbone.layer0." if select == "name" else "backbone.0."
     assert f"n.startswith('{prefix}')" in report and "local_layers()" in report and "configure_optimizers" in report
+    assert "call the backbone itself (`self.backbone(x)`)" in report and "`checkpoint_sequential`" in report
     if select == "slice":
         assert "layer 1 (Tanh) on stage 0 (rank 0)" in report
     assert outcome.errors[0].startswith("PipelineError: stage 1 (rank 1) failed: IndexError")

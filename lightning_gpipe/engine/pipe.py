@@ -64,6 +64,13 @@ def live_pipes() -> list[GPipe]:
     return list(_live)
 
 
+#: How to run the layers, for the errors of code that reaches them one by one.
+_RUN_THE_PIPE = (
+    "To run the layers, call the backbone itself (`self.backbone(x)`): code that runs them one by one (a loop, "
+    "torch's `checkpoint_sequential`) would bypass the pipeline, which re-materializes by itself (`checkpoint=`)."
+)
+
+
 def refuse_own_forward(module: nn.Sequential, name: str = "The backbone") -> None:
     """Raise if ``module`` is a subclass of ``nn.Sequential`` with a ``forward`` of its own: naming it, and the fix.
 
@@ -701,7 +708,7 @@ class GPipe(nn.Module):
             f"The backbone is partitioned over {self.layout.pipe_size} stages and this process holds only layers "
             f"{[i for i, _ in self.local_layers()]} (stage {self.stage}), so iterating over it would see some layers "
             "on some ranks only. Iterate over `local_layers()` for this stage's (index, layer) pairs, or select "
-            "parameters by name (`named_parameters()` of the LightningModule)."
+            "parameters by name (`named_parameters()` of the LightningModule). " + _RUN_THE_PIPE
         )
 
     def __getitem__(self, index: Union[int, slice]) -> nn.Module:
@@ -760,7 +767,7 @@ class GPipe(nn.Module):
             f"`[p for n, p in self.named_parameters() if n.startswith('{name}.')]` (empty on the stages "
             "without the layer), or use `local_layers()` for this stage's (index, layer) pairs. (In "
             "`configure_optimizers`, selecting layers by position works: another stage's layer reads there as its "
-            "`meta` copy, whose parameters the optimizers leave out.)"
+            "`meta` copy, whose parameters the optimizers leave out.) " + _RUN_THE_PIPE
         )
 
     def _describe_layer(self, i: int) -> str:
