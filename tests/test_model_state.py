@@ -11,14 +11,22 @@ from lightning_gpipe.launch import run_ok
 
 
 class Scaled(nn.Module):
-    """A layer with a non-persistent buffer: a state_dict leaves it out, reassembly must not."""
+    """A layer with a non-persistent buffer, which a state_dict leaves out, and extra state (a count, not a tensor),
+    which a state_dict holds: reassembly must move both."""
 
     def __init__(self, width):
         super().__init__()
         self.register_buffer("scale", torch.full((width,), 2.0), persistent=False)
+        self.count = 0
 
     def forward(self, x):
         return x * self.scale
+
+    def get_extra_state(self):
+        return {"count": self.count}
+
+    def set_extra_state(self, state):
+        self.count = state["count"]
 
 
 def _backbone():
@@ -174,7 +182,10 @@ def test_gather_state_dict_of_a_pipeline_of_one_is_its_sequentials_state_dict_de
     gathered = model_state.gather_state_dict(pipe)
     assert list(gathered) == list(expected)
     for key, value in expected.items():
-        assert torch.equal(gathered[key], value) and not gathered[key].requires_grad, key
+        if key.endswith("_extra_state"):
+            assert gathered[key] == value
+        else:
+            assert torch.equal(gathered[key], value) and not gathered[key].requires_grad, key
 
 
 def test_reassemble_of_a_pipeline_of_one_returns_its_layers_with_the_tie_kept():
@@ -202,6 +213,9 @@ def _two_stages(rank, world_size):
             p.add_(1.0)
         for name, buffer in pipe.named_buffers():
             buffer.fill_(0.5 if name.endswith("running_mean") else 3.0)
+    for _, layer in pipe.local_layers():
+        if isinstance(layer, Scaled):
+            layer.count = 7  # extra state changed on the stage that holds the layer
     try:
         net.state_dict()
         refused = None
@@ -220,6 +234,7 @@ def _two_stages(rank, world_size):
     own = {i: layer for i, layer in pipe.local_layers()}
     full = model_state.reassemble(pipe)
     result["reassembled"] = {name: t.detach().clone() for name, t in [*full.named_parameters(), *full.named_buffers()]}
+    result["extra"] = full[3].get_extra_state()
     result["tied"] = full[0].weight is full[4].weight
     result["own_layers_kept"] = all(full[i] is layer for i, layer in own.items())
     pipe.close()
@@ -233,6 +248,7 @@ def _trained_backbone():
             p.add_(1.0)
         for name, buffer in expected.named_buffers():
             buffer.fill_(0.5 if name.endswith("running_mean") else 3.0)
+    expected[3].count = 7
     return expected
 
 
@@ -245,7 +261,7 @@ def test_two_stages_gather_the_whole_state_check_the_whole_keys_and_reassemble_t
     gathered = results[0]["gathered"]
     assert list(gathered) == list(expected.state_dict())  # "4.weight" too: a tied key as one device has it
     for key, value in expected.state_dict().items():
-        assert torch.equal(gathered[key], value), key
+        assert torch.equal(gathered[key], value) if torch.is_tensor(value) else gathered[key] == value, key
     assert results[0]["merged"] == one_device
 
     for rank in range(2):
@@ -272,3 +288,5 @@ def test_two_stages_gather_the_whole_state_check_the_whole_keys_and_reassemble_t
         for name, value in values.items():
             assert torch.equal(reassembled[name], value), (rank, name)
         assert results[rank]["tied"] and results[rank]["own_layers_kept"]
+        # the extra state too (stage 1's layer came back with its initial count on rank 0)
+        assert results[rank]["extra"] == {"count": 7}, rank

@@ -200,13 +200,14 @@ def _fill(
 ) -> nn.Sequential:
     """``full`` with the layers that are not in ``local`` given storage and every stage's values; collective."""
     # every name of a shared tensor, so that each place of a tie gets filled (then `retie` joins them)
-    own = {
+    own: dict[str, Any] = {
         name: t.detach().cpu()
         for name, t in [
             *own_layers.named_parameters(remove_duplicate=False),
             *own_layers.named_buffers(remove_duplicate=False),
         ]
     }
+    own.update(_extra_states(own_layers))
     parts = gather(own, True)
     values = {k: v for part in parts or [] for k, v in part.items()}
     indices = {i for i, _ in local}
@@ -220,4 +221,27 @@ def _fill(
                 if key not in values:
                     raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
                 tensor.data = values[key]
+            for key, module in _extra_state_modules(layer, layer_name):
+                if key not in values:
+                    raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
+                module.set_extra_state(values[key])
     return full
+
+
+def _extra_state_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """``(state_dict key, submodule)`` for each submodule with extra state of its own (``get_extra_state``).
+
+    Extra state is what a module keeps in its ``state_dict`` besides tensors (a count, a configuration); the
+    reassembly moves it as a checkpoint does, or the other stages' layers would come back with their initial one.
+    """
+    dot = f"{prefix}." if prefix else ""
+    return [
+        (f"{dot}{name}._extra_state" if name else f"{dot}_extra_state", m)
+        for name, m in module.named_modules(remove_duplicate=False)
+        if type(m).get_extra_state is not nn.Module.get_extra_state
+    ]
+
+
+def _extra_states(module: nn.Module) -> dict[str, Any]:
+    """This stage's extra states under their ``state_dict`` keys (see :func:`_extra_state_modules`)."""
+    return {key: m.get_extra_state() for key, m in _extra_state_modules(module)}
