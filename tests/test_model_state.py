@@ -213,9 +213,13 @@ def _two_stages(rank, world_size):
             p.add_(1.0)
         for name, buffer in pipe.named_buffers():
             buffer.fill_(0.5 if name.endswith("running_mean") else 3.0)
-    for _, layer in pipe.local_layers():
+    for i, layer in pipe.local_layers():
         if isinstance(layer, Scaled):
             layer.count = 7  # extra state changed on the stage that holds the layer
+        if i in (1, 2):
+            layer.eval()  # a layer put in eval mode, and one frozen, on the stage that holds it
+        if i == 4:
+            layer.bias.requires_grad_(False)
     try:
         net.state_dict()
         refused = None
@@ -235,6 +239,8 @@ def _two_stages(rank, world_size):
     full = model_state.reassemble(pipe)
     result["reassembled"] = {name: t.detach().clone() for name, t in [*full.named_parameters(), *full.named_buffers()]}
     result["extra"] = full[3].get_extra_state()
+    result["requires_grad"] = {name: p.requires_grad for name, p in full.named_parameters()}
+    result["training"] = {name: m.training for name, m in full.named_modules() if name}
     result["tied"] = full[0].weight is full[4].weight
     result["own_layers_kept"] = all(full[i] is layer for i, layer in own.items())
     pipe.close()
@@ -290,3 +296,7 @@ def test_two_stages_gather_the_whole_state_check_the_whole_keys_and_reassemble_t
         assert results[rank]["tied"] and results[rank]["own_layers_kept"]
         # the extra state too (stage 1's layer came back with its initial count on rank 0)
         assert results[rank]["extra"] == {"count": 7}, rank
+        # and so do the flags the stages set during the run (they kept the values of the split)
+        frozen = {"0.weight": True, "0.bias": True, "2.weight": True, "2.bias": True, "4.bias": False}
+        assert results[rank]["requires_grad"] == frozen  # "4.weight" is "0.weight", tied
+        assert results[rank]["training"] == {str(i): i not in (1, 2) for i in range(5)}

@@ -198,18 +198,24 @@ def _empty_on_cpu(layer: nn.Module) -> None:
 def _fill(
     own_layers: nn.Module, full: nn.Sequential, local: list[tuple[int, nn.Module]], gather: Gather
 ) -> nn.Sequential:
-    """``full`` with the layers that are not in ``local`` given storage and every stage's values; collective."""
+    """``full`` with the layers that are not in ``local`` given storage and every stage's values; collective.
+
+    Besides the tensors and extra state, each layer comes back with what its stage set during the run: which
+    parameters require gradients (a layer frozen or unfrozen during ``fit``) and which modules are in training
+    mode (one put in eval mode), as a one-device module holds them after ``fit``.
+    """
     # every name of a shared tensor, so that each place of a tie gets filled (then `retie` joins them)
-    own: dict[str, Any] = {
-        name: t.detach().cpu()
-        for name, t in [
-            *own_layers.named_parameters(remove_duplicate=False),
-            *own_layers.named_buffers(remove_duplicate=False),
-        ]
+    params = own_layers.named_parameters(remove_duplicate=False)
+    buffers = own_layers.named_buffers(remove_duplicate=False)
+    state: dict[str, Any] = {name: t.detach().cpu() for name, t in [*params, *buffers]}
+    state.update(_extra_states(own_layers))
+    own = {
+        "state": state,
+        "requires_grad": {name: p.requires_grad for name, p in own_layers.named_parameters(remove_duplicate=False)},
+        "training": {name: m.training for name, m in own_layers.named_modules(remove_duplicate=False) if name},
     }
-    own.update(_extra_states(own_layers))
-    parts = gather(own, True)
-    values = {k: v for part in parts or [] for k, v in part.items()}
+    parts = gather(own, True) or []
+    values, requires_grad, training = ({k: v for part in parts for k, v in part[kind].items()} for kind in own)
     indices = {i for i, _ in local}
     with torch.no_grad():
         for index, (layer_name, layer) in enumerate(zip(layer_names(full), full)):
@@ -221,10 +227,14 @@ def _fill(
                 if key not in values:
                     raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
                 tensor.data = values[key]
+                if key in requires_grad:
+                    tensor.requires_grad_(requires_grad[key])
             for key, module in _extra_state_modules(layer, layer_name):
                 if key not in values:
                     raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
                 module.set_extra_state(values[key])
+            for name, module in layer.named_modules(remove_duplicate=False):
+                module.training = training.get(f"{layer_name}.{name}" if name else layer_name, module.training)
     return full
 
 
