@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
 from torch import nn
+from torch.nn.utils import clip_grad_value_  # bound before any pipeline exists, as a script binds it
 
 from lightning_gpipe.checkpointing.model_state import meta_state_allowed
 
@@ -44,6 +45,8 @@ class Picky(M.Net):
     ``select``:
     - ``"frozen"``: a frozen feature extractor: layers 0 and 2 (all of stage 0) ``requires_grad_(False)``
       and no head, so stage 0 has nothing to train; Adam over the parameters that require grad, a StepLR.
+    - ``"frozen-value"``: the same, clipped by value: by the Trainer and by torch's ``clip_grad_value_`` in a hook
+      (bound by a ``from`` import), each of which stopped the run on the stage without gradients.
     - ``"subset"``: SGD with momentum over ``backbone.6`` only (held by stage 1; the head is not trained).
     - ``"nothing"``: every parameter frozen: the optimizer gets nothing, on any stage (one device refuses).
     - ``"lbfgs"``, ``"lbfgs-wolfe"``: LBFGS over every parameter, without and with a line search.
@@ -52,16 +55,20 @@ class Picky(M.Net):
     def __init__(self, select: str) -> None:
         super().__init__()
         self.select = select
-        if select == "frozen":
+        if select.startswith("frozen"):
             self.head = nn.Identity()  # the backbone's 8 outputs are the logits
             for layer in (self.backbone[0], self.backbone[2]):
                 layer.requires_grad_(False)
         if select == "nothing":
             self.requires_grad_(False)
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.select == "frozen-value":
+            clip_grad_value_(self.parameters(), 0.02)
+
     def configure_optimizers(self):
         trainable = filter(lambda p: p.requires_grad, self.parameters())
-        if self.select == "frozen":
+        if self.select.startswith("frozen"):
             optimizer = torch.optim.Adam(trainable, lr=0.05)
             return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
         if self.select == "subset":
@@ -135,7 +142,8 @@ def picky(
     L.seed_everything(0, verbose=False)
     model = Picky(select)
     saver = [ModelCheckpoint(dirpath=save_dir, filename="{step}", every_n_train_steps=SAVE_STEP)] if save_dir else []
-    trainer = _trainer(pipeline, devices, saver, max_steps=max_steps, gradient_clip_val=0.5)
+    clip = {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"} if select == "frozen-value" else {}
+    trainer = _trainer(pipeline, devices, saver, max_steps=max_steps, **{"gradient_clip_val": 0.5, **clip})
     trainer.fit(model, M.loader(shuffle=False), ckpt_path=ckpt_path)
     optimizer = trainer.optimizers[0]
     return {
@@ -196,7 +204,7 @@ def everything(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """
     pipe = os.path.join(directory, "pipe")
     out: dict[str, Any] = {}
-    for select in ("frozen", "subset"):
+    for select in ("frozen", "subset", "frozen-value"):
         out[select] = picky(select, True, world_size)
     picky("frozen", True, world_size, max_steps=SAVE_STEP, save_dir=os.path.join(pipe, "frozen"))
     for source in ("pipe", "one"):

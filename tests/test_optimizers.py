@@ -47,6 +47,7 @@ def reference(directory):
     one = os.path.join(directory, "one")
     runs = {
         "frozen": lambda: O.picky("frozen", pipeline=False),
+        "frozen-value": lambda: O.picky("frozen-value", pipeline=False),
         "subset": lambda: O.picky("subset", pipeline=False),
         "frozen from pipe": lambda: O.picky(
             "frozen", pipeline=False, ckpt_path=os.path.join(directory, "pipe", "frozen", f"step={O.SAVE_STEP}.ckpt")
@@ -126,6 +127,16 @@ def test_a_frozen_first_stage_without_a_head_trains_as_on_one_device(ranks, refe
         assert_same_weights(got["weights"], expected["weights"], f"rank {rank}")
         assert got["lrs"] == expected["lrs"]  # the scheduler stepped the empty optimizer too
     assert [results["frozen"]["local group sizes"] for results in ranks] == [[0], expected["local group sizes"]]
+
+
+def test_value_clipping_by_the_trainer_and_by_torch_skips_a_stage_without_gradients_as_on_one_device(ranks, reference):
+    # torch's clip_grad_value_ fails on a list without gradients ("Expected !nested_tensorlist[0].empty()"), which
+    # one device never gives it: the run stopped at the first step on the frozen stage
+    expected = reference("frozen-value")
+    for rank, results in enumerate(ranks):
+        got = results["frozen-value"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), atol=1e-6, rtol=0)
+        assert_same_weights(got["weights"], expected["weights"], f"rank {rank}")
 
 
 def test_an_optimizer_over_layers_of_another_stage_trains_as_on_one_device(ranks, reference):

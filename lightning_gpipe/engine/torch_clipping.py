@@ -20,6 +20,12 @@ off one device after 8 steps in a probe, K=2) and rank 0 logged stage 0's. So th
 own binding of it (``from torch.nn.utils import get_total_norm`` runs before the pipeline exists), become
 :func:`_get_total_norm`, the same norm under its own name in the messages; torch's modules keep theirs.
 
+torch's ``clip_grad_value_`` needs no norm, but it fails on a list without gradients (torch 2.14: "Expected
+!nested_tensorlist[0].empty()"), which one device never gives it and a stage with nothing to train does (a frozen
+first stage, a stage of activations only): ``Trainer(gradient_clip_algorithm="value")`` stopped the run there. Its
+public name and the bindings of it become :func:`_clip_grad_value`, which clamps nothing where a live pipeline's
+stage holds no gradient, and is torch's own otherwise.
+
 Written by hand because neither torch nor Lightning has a hook for it: Lightning's own clipping
 (``gradient_clip_val``) goes through the strategy's precision plugin, which this package routes already, but
 torch's function is plain code. Like :func:`lightning_gpipe.clip_grad_norm_`, it is then collective over the
@@ -69,20 +75,25 @@ def route_torch_clip_grad_norm() -> bool:
         )
         return False
     torch_clip_grad._get_total_norm = _total_norm
-    _route_bindings(helper)
+    _route_bindings(
+        {"get_total_norm": (helper, _get_total_norm), "clip_grad_value_": (_TORCH_CLIP_VALUE, _clip_grad_value)}
+    )
     return True
 
 
-def _route_bindings(helper: Callable[..., Tensor]) -> None:
-    """Point every module-level binding of torch's ``get_total_norm`` outside torch at :func:`_get_total_norm`.
+def _route_bindings(names: dict[str, tuple[Callable[..., Any], Callable[..., Any]]]) -> None:
+    """Point every module-level binding of each of torch's functions outside torch at its stand-in.
 
-    torch's public name first; then the names other modules bound to the same function, which a call looks up in
-    their own module (a script's ``from torch.nn.utils import get_total_norm``), since neither torch nor Python has
-    a hook that reaches a name bound before the pipeline existed. :func:`_get_total_norm` gives torch's own result for
-    any gradients no live pipeline holds, so a binding that never sees a pipeline's gradients keeps its result.
+    ``names`` maps a public name in ``torch.nn.utils`` to (torch's function, the stand-in). That public name first;
+    then the names other modules bound to the same function, which a call looks up in their own module (a script's
+    ``from torch.nn.utils import get_total_norm``), since neither torch nor Python has a hook that reaches a name
+    bound before the pipeline existed. Each stand-in gives torch's own result for gradients no live pipeline holds,
+    so a binding that never sees a pipeline's gradients keeps its result.
     """
-    if getattr(torch.nn.utils, "get_total_norm", None) is helper:
-        torch.nn.utils.get_total_norm = _get_total_norm
+    stand_ins = {id(original): stand_in for original, stand_in in names.values()}
+    for public, (original, stand_in) in names.items():
+        if getattr(torch.nn.utils, public, None) is original:
+            setattr(torch.nn.utils, public, stand_in)
     for name, module in list(sys.modules.items()):
         if module is None or name == "torch" or name.startswith(("torch.", "lightning_gpipe.")):
             continue
@@ -91,8 +102,23 @@ def _route_bindings(helper: Callable[..., Tensor]) -> None:
         except TypeError:  # not a module: an object some library put in sys.modules
             continue
         for key, value in list(namespace.items()):
-            if value is helper:
-                namespace[key] = _get_total_norm
+            if id(value) in stand_ins:
+                namespace[key] = stand_ins[id(value)]
+
+
+#: torch's own ``clip_grad_value_``, kept before :func:`_route_bindings` points its names at :func:`_clip_grad_value`
+_TORCH_CLIP_VALUE: Callable[..., None] = torch_clip_grad.clip_grad_value_
+
+
+def _clip_grad_value(
+    parameters: Union[Tensor, Iterable[Tensor]], clip_value: Union[float, int], foreach: Optional[bool] = None
+) -> None:
+    """torch's ``clip_grad_value_``, which clamps nothing where none of ``parameters`` has a gradient while a pipeline
+    is live (a stage with nothing to train), where torch's raises."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    if live_pipes() and all(p.grad is None for p in params):
+        return None
+    return _TORCH_CLIP_VALUE(params, clip_value, foreach)
 
 
 def _pipeline(grads: list[Tensor]) -> Optional[GPipe]:
