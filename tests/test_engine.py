@@ -119,6 +119,24 @@ def test_stage_output_that_is_not_a_tensor_names_the_layer():
         pipe(torch.randn(4, 4))
 
 
+def test_an_error_raised_by_a_layer_names_the_layer_stage_and_micro_batch_and_keeps_its_type():
+    # a BatchNorm that one device gives the whole batch of 3 gets a micro-batch of 1 here: torch's bare error named
+    # neither the layer nor the cut
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), chunks=2)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as caught:
+        pipe(torch.randn(3, 4))
+    (note,) = caught.value.__notes__
+    assert note.startswith("(raised by layer 1 (BatchNorm1d) on stage 0 on micro-batch 1, of 1 sample: the pipeline")
+    assert "give every batch at least 2 x chunks samples" in note
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 2)), chunks=2)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as caught:
+        pipe(torch.randn(3, 4))
+    assert caught.value.__notes__ == [  # at the first call, the layers run first in the per-sample check
+        "(raised by layer 1 (Linear) on micro-batch 0, of 2 samples, run first, in eval mode, to check that the "
+        "layers keep the samples apart: the pipeline cuts each batch into `chunks` micro-batches)"
+    ]
+
+
 def test_a_backbone_output_with_a_value_beside_its_tensors_is_refused_naming_the_layer_but_none_is_kept():
     # the micro-batches' outputs join tensor by tensor: a count beside them would be one micro-batch's (4, not 8)
     class WithCount(nn.Module):

@@ -30,6 +30,8 @@ def test_an_exception_in_one_stage_ends_every_rank_within_seconds(stages, failin
             assert (
                 f"stage {failing} (rank {failing}) failed: RuntimeError: boom on rank {failing}" in outcome.errors[rank]
             )
+            if not in_setup:  # which layer raised it, on which micro-batch: the error's note reaches every rank
+                assert f"(Boom) on stage {failing} on micro-batch" in outcome.errors[rank], outcome.errors[rank]
 
 
 def test_a_rank_killed_outside_the_pipeline_ends_the_others_naming_its_stage_before_the_heartbeat_timeout():

@@ -153,7 +153,8 @@ class FailureBoard:
         self._published = True
         verb = "reported" if isinstance(error, PipelineError) else "failed"  # a PipelineError names its cause
         name = "" if isinstance(error, PipelineError) else f"{type(error).__name__}: "
-        message = f"{self.describe(self.rank)} (rank {self.rank}) {verb}: {name}{error}"
+        notes = "".join(f" {note}" for note in getattr(error, "__notes__", []))  # where a stage's layer raised it
+        message = f"{self.describe(self.rank)} (rank {self.rank}) {verb}: {name}{error}{notes}"
         writer = threading.Thread(target=self._set_failure, args=(message,), daemon=True)
         writer.start()
         writer.join(timeout=2.0)  # a dead store must not hold the failing rank up

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.layer_errors import note_layer_error
 from lightning_gpipe.engine.microbatch import map_tensors, tensors
 from lightning_gpipe.engine.skip import SkipTracker, use_tracker
 from lightning_gpipe.engine.structure import per_sample
@@ -204,7 +205,12 @@ def find_mixing(
                 module._buffers[name] = buffer.clone()
             seed_layer(index)
             with use_tracker(tracker):
-                outputs.append(layer(value))
+                try:
+                    outputs.append(layer(value))
+                except Exception as error:
+                    why = ", run first, in eval mode, to check that the layers keep the samples apart"
+                    note_layer_error(error, f"Layer {index} ({type(layer).__name__})", 0, x, why)
+                    raise
         if first_changed is None:
             difference, tolerance = _changed(outputs, size)
             if difference > tolerance:

@@ -24,6 +24,7 @@ from lightning_gpipe.engine.batchnorm import micro_batches
 from lightning_gpipe.engine.channels import Channels
 from lightning_gpipe.engine.checkpoint import ForwardWrites, check_checkpoint_mode, checkpointed, recomputing
 from lightning_gpipe.engine.deadlock import blocked
+from lightning_gpipe.engine.layer_errors import note_layer_error
 from lightning_gpipe.engine.lockstep import check_message
 from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
@@ -198,10 +199,15 @@ class StageRunner:
         x = enter(x)  # an in-place first layer works on it, as on one device (see stage_input)
         received = {src: enter(bundle) for src, bundle in received.items()}
         tracker = SkipTracker(self.skips.keyed(received), record=True)
+        given = x
         with isolated_rng(self.device), use_tracker(tracker):
             for index, layer in self.layers:
                 seed_layer(layer_seed(self.seed, call, micro, index), self.device)
-                x = layer(x)
+                try:
+                    x = layer(x)
+                except Exception as error:
+                    note_layer_error(error, self._describe_layer(index), micro, given)
+                    raise
         leaving = self.skips.outgoing(tracker, self._describe_layer)
         try:
             return (*flatten(x), leaving)
