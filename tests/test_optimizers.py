@@ -117,26 +117,29 @@ def test_a_stage_without_any_gradient_makes_its_norm_share_on_the_pipelines_devi
     assert global_grad_norm(frozen, frozen, True, None).device.type == "cpu"  # the default without a device
 
 
+def _same_losses_and_weights(name, ranks, reference):
+    """Every rank's run ``name`` has one device's losses and weights; returns one device's run."""
+    expected = reference(name)
+    for rank, results in enumerate(ranks):
+        got = results[name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), atol=1e-6, rtol=0)
+        assert_same_weights(got["weights"], expected["weights"], f"rank {rank}")
+    return expected
+
+
 def test_a_frozen_first_stage_without_a_head_trains_as_on_one_device(ranks, reference):
     # stage 0's layers are all frozen and nothing lies outside the backbone: its optimizer holds nothing,
     # yet it runs the loop (Adam, a StepLR, norm clipping) with the other stage
-    expected = reference("frozen")
-    for rank, results in enumerate(ranks):
-        got = results["frozen"]
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), atol=1e-6, rtol=0)
-        assert_same_weights(got["weights"], expected["weights"], f"rank {rank}")
-        assert got["lrs"] == expected["lrs"]  # the scheduler stepped the empty optimizer too
+    expected = _same_losses_and_weights("frozen", ranks, reference)
+    for results in ranks:
+        assert results["frozen"]["lrs"] == expected["lrs"]  # the scheduler stepped the empty optimizer too
     assert [results["frozen"]["local group sizes"] for results in ranks] == [[0], expected["local group sizes"]]
 
 
 def test_value_clipping_by_the_trainer_and_by_torch_skips_a_stage_without_gradients_as_on_one_device(ranks, reference):
     # torch's clip_grad_value_ fails on a list without gradients ("Expected !nested_tensorlist[0].empty()"), which
     # one device never gives it: the run stopped at the first step on the frozen stage
-    expected = reference("frozen-value")
-    for rank, results in enumerate(ranks):
-        got = results["frozen-value"]
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), atol=1e-6, rtol=0)
-        assert_same_weights(got["weights"], expected["weights"], f"rank {rank}")
+    _same_losses_and_weights("frozen-value", ranks, reference)
 
 
 def test_an_optimizer_over_layers_of_another_stage_trains_as_on_one_device(ranks, reference):
