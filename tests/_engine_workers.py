@@ -243,3 +243,21 @@ def wire_round_trip(rank: int, world_size: int) -> list:
     channels.close()
     dist.destroy_process_group()
     return got if rank else [sent]
+
+
+def checkpointed_backbone(rank: int, world_size: int, reentrant: bool) -> dict:
+    """The pipe called inside torch's ``checkpoint``: the reentrant form trains as one process does; the other one
+    recomputes from inside each stage's drain, which the pipe refuses (it waited for ``failure_timeout`` before)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_gpipe import GPipe
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), [2, 1], chunks=2)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    checkpoint(pipe, x, use_reentrant=reentrant).square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    pipe.close()
+    dist.destroy_process_group()
+    return {"grads": grads, "input_grad": x.grad.clone()}

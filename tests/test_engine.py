@@ -7,14 +7,14 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
-from _engine_workers import plain_pipeline, reference
+from _engine_workers import checkpointed_backbone, plain_pipeline, reference
 from torch import nn
 
 from lightning_gpipe import GPipe
 from lightning_gpipe.engine.pipe import _CALL_HOOKS, OWN_ATTRIBUTES, _called_aside
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import find_ties
-from lightning_gpipe.launch import run_ok
+from lightning_gpipe.launch import run_ok, run_processes
 
 
 def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightning_from_rank_zeros_weights():
@@ -135,6 +135,23 @@ def test_an_error_raised_by_a_layer_names_the_layer_stage_and_micro_batch_and_ke
         "(raised by layer 1 (Linear) on micro-batch 0, of 2 samples, run first, in eval mode, to check that the "
         "layers keep the samples apart: the pipeline cuts each batch into `chunks` micro-batches)"
     ]
+
+
+def test_the_backbone_inside_torchs_checkpoint_trains_when_reentrant_and_is_refused_at_once_otherwise():
+    # the non-reentrant form recomputes the region from inside each stage's drain, at a different moment on each
+    # stage: the stages waited for each other until the deadlock check named it (24 s in a probe, failure_timeout 10)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    net(x).square().mean().backward()
+    for got in run_ok(checkpointed_backbone, 2, True, timeout=120):
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, dict(net.named_parameters())[name].grad, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got["input_grad"], x.grad, atol=1e-6, rtol=0)
+    outcome = run_processes(checkpointed_backbone, 2, False, timeout=120)
+    assert all(code not in (0, None) for code in outcome.exitcodes) and outcome.seconds < 60, outcome.exitcodes
+    assert outcome.errors[1].startswith("RuntimeError: The backbone was called while stage 1 back-propagated backbone")
+    assert "use_reentrant=False" in outcome.errors[1] and "GPipeStrategy(checkpoint=...)" in outcome.errors[1]
 
 
 def test_a_backbone_output_with_a_value_beside_its_tensors_is_refused_naming_the_layer_but_none_is_kept():

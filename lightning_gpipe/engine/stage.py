@@ -117,6 +117,8 @@ class StageRunner:
         #: back-propagated (a detached backbone output, a step that skips its backward) stops counting once
         #: autograd frees its graph, and with it the run.
         self._undrained: weakref.WeakValueDictionary[int, _Run] = weakref.WeakValueDictionary()
+        #: The call whose drain runs now, with the hook that made it, or None: see :meth:`_refuse_call_in_drain`.
+        self._draining: Optional[_Run] = None
         #: What names the caller's current context in every message (Lightning: the running hook), so that
         #: stages that make their calls from different places fail at once. Plain PyTorch: nothing.
         self.label: Callable[[], str] = lambda: ""
@@ -147,6 +149,7 @@ class StageRunner:
 
     def __call__(self, batch: Any) -> microbatch.Outputs:
         """The backbone's output for ``batch``, on every rank of the pipeline."""
+        self._refuse_call_in_drain()
         label = self.label()
         if not torch.is_grad_enabled():
             # evaluation calls count apart, so that validating does not move the training's random streams
@@ -170,6 +173,25 @@ class StageRunner:
             self._undrained.pop(call, None)
             raise
         return unflatten(values, box["structure"])
+
+    def _refuse_call_in_drain(self) -> None:
+        """Raise where the backbone is called from inside a drain of this stage: each stage would make that call at
+        its own moment of its drain, and wait there for stages that are still draining (a deadlock, named only
+        after ``failure_timeout``). torch's ``checkpoint(..., use_reentrant=False)`` around the backbone does it: its
+        recompute runs the region's forward again when the backward first unpacks a tensor saved in it, which is
+        inside each stage's drain. The reentrant form recomputes before the region's backward, and works."""
+        run = self._draining
+        if run is None:
+            return
+        made = f" (made in `{run.label}`)" if run.label else ""
+        raise RuntimeError(
+            f"The backbone was called while stage {self.stage} back-propagated backbone call {run.call}{made}: a "
+            "`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` around the backbone (or another "
+            "saved-tensor hook that recomputes) runs its forward again from inside the backward, at a different "
+            "moment on each stage, so the stages would wait for each other. The pipeline re-materializes by itself: "
+            "call the backbone outside torch.utils.checkpoint and choose GPipeStrategy(checkpoint=...) ('always' "
+            "keeps only each micro-batch's input to a stage), or use `use_reentrant=True`."
+        )
 
     def _note_small_first_batch(self, size: int) -> None:
         """Warn where the first training batch has fewer samples than ``chunks``: it is cut into one micro-batch per
@@ -612,11 +634,13 @@ class _Bridge(torch.autograd.Function):
                 "call the backbone again for a second backward."
             )
         whole = fills_every_leaf(ctx.anchor)  # else torch.autograd.grad or backward(inputs=...): leave .grad alone
+        outer, ctx.runner._draining = ctx.runner._draining, run
         try:
             with ctx.runner._span("drain"):
                 input_grads = ctx.runner._drain(run, grads, whole) or [None] * ctx.num_leaves
                 if ctx.runner.after_drain is not None and whole:
                     ctx.runner.after_drain()
         finally:
+            ctx.runner._draining = outer
             ctx.runner._undrained.pop(run.call, None)
         return (None, None, None, None, None, *input_grads)
