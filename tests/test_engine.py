@@ -119,6 +119,15 @@ def test_stage_output_that_is_not_a_tensor_names_the_layer():
         pipe(torch.randn(4, 4))
 
 
+def test_the_pipe_takes_its_input_by_nn_sequentials_keyword_as_one_device_does():
+    sequential = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(4, 4)
+    expected = sequential(input=x)  # `input` is nn.Sequential.forward's name: a call by keyword works there
+    pipe = GPipe(sequential, chunks=2)
+    torch.testing.assert_close(pipe(input=x), expected)
+    torch.testing.assert_close(pipe.forward(x), expected)
+
+
 def test_an_error_raised_by_a_layer_names_the_layer_stage_and_micro_batch_and_keeps_its_type():
     # a BatchNorm that one device gives the whole batch of 3 gets a micro-batch of 1 here: torch's bare error named
     # neither the layer nor the cut

@@ -569,8 +569,10 @@ class GPipe(nn.Module):
         """This stage's ``(index, layer)`` pairs."""
         return self.runner.layers
 
-    def forward(self, batch: Any) -> microbatch.Outputs:
-        return self.runner(batch)
+    def forward(self, input: Any) -> microbatch.Outputs:
+        """The whole Sequential's output for ``input``, on every stage; ``input`` is ``nn.Sequential.forward``'s name,
+        so that a call by keyword (``self.backbone(input=x)``) runs as on one device."""
+        return self.runner(input)
 
     def tied_names(self) -> dict[str, str]:
         """This stage's name of each parameter tied across stages -> its name in the whole Sequential, where
