@@ -25,7 +25,11 @@ class IndexedInHook(M.Net):
             self.backbone = nn.Sequential(OrderedDict((f"layer{i}", layer) for i, layer in enumerate(self.backbone)))
 
     def on_train_start(self) -> None:
-        selected = {"index": lambda: self.backbone[0], "slice": lambda: self.backbone[:2]}
+        selected = {
+            "index": lambda: self.backbone[0],
+            "slice": lambda: self.backbone[:2],
+            "children": lambda: next(iter(self.backbone.children())),  # by position: the first child
+        }
         first = selected.get(self.select, lambda: self.backbone.layer0)()
         first.requires_grad_(False)
 

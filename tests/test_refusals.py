@@ -102,6 +102,18 @@ def test_lazy_layers_are_refused_naming_the_layer_and_a_sample_forward_before_fi
     _fit(model)
 
 
+def test_the_children_of_a_partitioned_backbone_listed_by_user_code_stop_every_rank_naming_the_fix():
+    # on stage 1 the first child is layer 3, not layer 0: freezing "the first two children" in a callback froze
+    # stage 1's first layers as well as stage 0's (4.2e-2 off one device, no error); torch's and Lightning's own
+    # traversals (train(), apply, BackboneFinetuning) still list this stage's layers
+    outcome = run_processes(W.indexed_in_hook, 2, "children", timeout=120)
+    assert outcome.exitcodes == [1, 1] and max(outcome.ended) < 60
+    for rank, layers in enumerate(([0, 1, 2], [3, 4, 5, 6])):
+        report = outcome.errors[rank]
+        assert f"holds only layers {layers} (stage {rank}), so listing its `children()` would see" in report, report
+        assert "use `named_children()` (the names are the whole Sequential's)" in report
+
+
 @pytest.mark.parametrize("select", ["index", "slice", "name"])
 def test_selecting_a_layer_another_stage_holds_stops_every_rank_naming_the_layer_its_stage_and_the_fix(select):
     # by name (`self.backbone.layer0` in an OrderedDict Sequential) it was a bare AttributeError on stage 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -63,6 +64,9 @@ def live_pipes() -> list[GPipe]:
     """The ``GPipe`` instances of this process that are built and not yet closed (usually one: the running one)."""
     return list(_live)
 
+
+#: The packages whose calls of ``children()`` on a partitioned pipe mean this process's modules (see ``GPipe.children``)
+_TRAVERSING = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics", "lightning_gpipe")
 
 #: How to run the layers, for the errors of code that reaches them one by one.
 _RUN_THE_PIPE = (
@@ -705,12 +709,28 @@ class GPipe(nn.Module):
             return iter([self[i] for i in range(self.num_layers)])
         self._refuse_iteration()
 
-    def _refuse_iteration(self) -> NoReturn:
+    def children(self) -> Iterator[nn.Module]:
+        """This process's layers, for the traversals of torch, Lightning and this package (``train()``, ``apply``,
+        ``.to()``, ``BackboneFinetuning``), which mean the modules this process holds.
+
+        Code of the user's that lists the children of a partitioned backbone gets this stage's layers only, where the
+        k-th child is not layer k: freezing the first two children in a callback froze stage 1's first two layers
+        on rank 1, 4.2e-2 off one device and no error. That is refused as iterating over the backbone is (within
+        :meth:`all_layers`, every layer is listed).
+        """
+        if self.layout.pipe_size > 1 and not self._all_layers:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not (caller in _TRAVERSING or caller.startswith(tuple(f"{name}." for name in _TRAVERSING))):
+                self._refuse_iteration("listing its `children()`")
+        return super().children()
+
+    def _refuse_iteration(self, what: str = "iterating over it") -> NoReturn:
         raise TypeError(
             f"The backbone is partitioned over {self.layout.pipe_size} stages and this process holds only layers "
-            f"{[i for i, _ in self.local_layers()]} (stage {self.stage}), so iterating over it would see some layers "
-            "on some ranks only. Iterate over `local_layers()` for this stage's (index, layer) pairs, or select "
-            "parameters by name (`named_parameters()` of the LightningModule). " + _RUN_THE_PIPE
+            f"{[i for i, _ in self.local_layers()]} (stage {self.stage}), so {what} would see some layers on some "
+            "ranks only, and the k-th would not be layer k. Iterate over `local_layers()` for this stage's (index, "
+            "layer) pairs, use `named_children()` (the names are the whole Sequential's), or select parameters by "
+            "name (`named_parameters()` of the LightningModule). " + _RUN_THE_PIPE
         )
 
     def __getitem__(self, index: Union[int, slice]) -> nn.Module:
