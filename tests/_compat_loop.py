@@ -153,6 +153,26 @@ def iterable_dataset() -> Scenario:
     return Scenario(Base(), train=DataLoader(Stream(), batch_size=None))
 
 
+class DensifiedInStep(Base):
+    """Batches that hold a sparse tensor (a bag of words, collated sparse), made dense in ``training_step``."""
+
+    def loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.backbone(x.to_dense()), y)
+
+
+def _sparse_rows(rows: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    return torch.stack([x for x, _ in rows]).to_sparse(), torch.stack([y for _, y in rows])
+
+
+def sparse_batches() -> Scenario:
+    """The stages' batch check read every tensor's bits, which a sparse tensor has not: it failed with "reshape is
+    not implemented for sparse tensors" before the backbone ran."""
+    x, y = _data().tensors
+    rows = list(zip(x.relu(), y))  # about half the features zero
+    return Scenario(DensifiedInStep(), train=DataLoader(rows, batch_size=BATCH, collate_fn=_sparse_rows))
+
+
 class SometimesWithoutBackbone(Base):
     """Every second step trains a bias alone, without calling the backbone: no stage has a pass to run."""
 
@@ -540,6 +560,7 @@ SCENARIOS = {
         barebones,
         one_cycle_schedule,
         iterable_dataset,
+        sparse_batches,
         step_without_backbone,
         backbone_under_no_grad,
         saliency_from_its_own_call,

@@ -112,6 +112,7 @@ def test_feature_trains_as_on_one_device(name, runs):
         "barebones",
         "one_cycle_schedule",
         "iterable_dataset",
+        "sparse_batches",
         "step_without_backbone",
         "backbone_under_no_grad",
         "frozen_backbone",

@@ -53,6 +53,23 @@ def test_batch_size_rejects_disagreeing_tensors_and_tensorless_batches():
         microbatch.batch_size(torch.tensor(1.0))
 
 
+def test_a_fingerprint_reads_a_sparse_tensor_by_its_indices_and_values():
+    x = torch.eye(4).to_sparse()
+    assert microbatch.fingerprint((x, 1)) == microbatch.fingerprint((torch.eye(4).to_sparse(), 1))
+    assert microbatch.fingerprint(x) != microbatch.fingerprint((2 * torch.eye(4)).to_sparse())  # other values
+    assert microbatch.fingerprint(x) != microbatch.fingerprint(torch.eye(4).flip(0).to_sparse())  # other places
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_batch_size_refuses_a_sparse_input_naming_its_layout_and_the_fix(layout):
+    # it failed in the cut with torch's "Could not run 'aten::as_strided' with arguments from the 'SparseCPU'
+    # backend" (COO) or "Sparse CSR tensors do not have strides", also with chunks=1
+    x = torch.eye(4)
+    x = x.to_sparse() if layout == "sparse_coo" else x.to_sparse_csr()
+    with pytest.raises(ValueError, match=f"holds a tensor of layout torch.{layout}, which the pipeline can neither"):
+        microbatch.batch_size((x, torch.zeros(4)))
+
+
 @pytest.mark.parametrize("lengths", [[3, 1], [1]])  # [1]: every field has 1 row, so the sizes agree
 def test_batch_size_refuses_a_packed_sequence_which_cannot_be_cut_into_samples(lengths):
     padded = torch.zeros(3, len(lengths), 4)

@@ -106,8 +106,8 @@ def map_leaves(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], boo
 def batch_size(batch: Any) -> int:
     """The size of dim 0 shared by every tensor in ``batch``.
 
-    Raises ``ValueError`` when the batch holds no tensor, a 0-dim tensor, or tensors that disagree on
-    dim 0: a micro-batch must cut every tensor at the same samples.
+    Raises ``ValueError`` when the batch holds no tensor, a 0-dim tensor, a sparse tensor, a ``PackedSequence``,
+    or tensors that disagree on dim 0: a micro-batch must cut every tensor at the same samples.
     """
     leaves = tensors(batch)
     if not leaves:
@@ -120,6 +120,14 @@ def batch_size(batch: Any) -> int:
             "The backbone input holds a PackedSequence, whose `data` packs every sample's time steps together "
             "(time-major), so it cannot be cut into micro-batches of samples. Pass the padded tensor and the lengths "
             "(batch first) and pack them inside the backbone's first layer."
+        )
+    sparse = [t for t in leaves if t.layout != torch.strided]
+    if sparse:
+        raise ValueError(
+            f"The backbone input holds a tensor of layout {sparse[0].layout}, which the pipeline can neither cut into "
+            "micro-batches nor send between stages: it takes strided (dense) tensors. Make it dense before the "
+            "backbone (`x.to_dense()`), or compute the sparse product in a layer outside the backbone (a stem), "
+            "whose dense output the backbone takes."
         )
     sizes = set()
     for t in leaves:
@@ -322,7 +330,7 @@ _OBJECT_DEPTH = 3
 def _digest(batch: Any, depth: int) -> int:
     every = list(tensors(batch))
     digest = 0
-    for t, values in zip(every, _checksums([as_bits(t) for t in every])):
+    for t, values in zip(every, _tensor_checksums(every)):
         digest = _mix(digest, t, values)
     others = leaves(batch, lambda value: not isinstance(value, Tensor) and not is_container(value))
     for value in others:  # a text batch's strings, a NumPy array: the stages must agree on them too
@@ -349,7 +357,29 @@ def _leaf_digest(value: Any, depth: int) -> int:
 def fingerprints(every: Sequence[Tensor]) -> list[int]:
     """:func:`fingerprint` of each tensor, read in one pass: device tensors reach the host in one copy per device
     for all of them, where a :func:`fingerprint` per tensor would wait for the device once per tensor."""
-    return [(_mix(0, t, values) >> 1) or 1 for t, values in zip(every, _checksums([as_bits(t) for t in every]))]
+    return [(_mix(0, t, values) >> 1) or 1 for t, values in zip(every, _tensor_checksums(every))]
+
+
+def _tensor_checksums(every: Sequence[Tensor]) -> list[list[int]]:
+    """:func:`_checksums` of each tensor's bits; a sparse tensor's are those of its coalesced indices and values.
+
+    A sparse tensor has no strided bits to read (``as_bits`` failed with "reshape is not implemented for sparse
+    tensors"), and a training batch may hold one that ``training_step`` makes dense before the backbone.
+    """
+    parts: list[Tensor] = []
+    owners: list[int] = []
+    for i, t in enumerate(every):
+        if t.layout == torch.strided:
+            pieces = [t]
+        else:
+            coo = (t if t.layout == torch.sparse_coo else t.to_sparse_coo()).coalesce()
+            pieces = [coo.indices(), coo.values()]
+        parts += pieces
+        owners += [i] * len(pieces)
+    checks: list[list[int]] = [[] for _ in every]
+    for owner, values in zip(owners, _checksums([as_bits(part) for part in parts])):
+        checks[owner] += values
+    return checks
 
 
 def _mix(digest: int, t: Tensor, values: Sequence[int]) -> int:
