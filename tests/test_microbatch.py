@@ -53,11 +53,22 @@ def test_batch_size_rejects_disagreeing_tensors_and_tensorless_batches():
         microbatch.batch_size(torch.tensor(1.0))
 
 
-def test_a_fingerprint_reads_a_sparse_tensor_by_its_indices_and_values():
+def test_a_fingerprint_reads_a_sparse_tensor_by_its_indices_and_values_and_a_nested_one_by_its_components():
     x = torch.eye(4).to_sparse()
     assert microbatch.fingerprint((x, 1)) == microbatch.fingerprint((torch.eye(4).to_sparse(), 1))
     assert microbatch.fingerprint(x) != microbatch.fingerprint((2 * torch.eye(4)).to_sparse())  # other values
     assert microbatch.fingerprint(x) != microbatch.fingerprint(torch.eye(4).flip(0).to_sparse())  # other places
+    # a nested tensor: by its components, whose shapes count (the same values, cut 2 + 3 or 3 + 2, differ)
+    values = torch.arange(15.0).view(5, 3)
+    two_three = torch.nested.nested_tensor([values[:2], values[2:]])
+    assert microbatch.fingerprint(two_three) == microbatch.fingerprint(
+        torch.nested.nested_tensor([values[:2], values[2:]])
+    )
+    assert microbatch.fingerprint(two_three) != microbatch.fingerprint(
+        torch.nested.nested_tensor([values[:3], values[3:]])
+    )
+    with pytest.raises(ValueError, match="The backbone input holds a nested tensor, which the pipeline can neither"):
+        microbatch.batch_size(two_three)
 
 
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])

@@ -121,10 +121,11 @@ def batch_size(batch: Any) -> int:
             "(time-major), so it cannot be cut into micro-batches of samples. Pass the padded tensor and the lengths "
             "(batch first) and pack them inside the backbone's first layer."
         )
-    sparse = [t for t in leaves if t.layout != torch.strided]
+    sparse = [t for t in leaves if t.layout != torch.strided or t.is_nested]
     if sparse:
+        kind = "a nested tensor" if sparse[0].is_nested else f"a tensor of layout {sparse[0].layout}"
         raise ValueError(
-            f"The backbone input holds a tensor of layout {sparse[0].layout}, which the pipeline can neither cut into "
+            f"The backbone input holds {kind}, which the pipeline can neither cut into "
             "micro-batches nor send between stages: it takes strided (dense) tensors. Make it dense before the "
             "backbone (`x.to_dense()`), or compute the sparse product in a layer outside the backbone (a stem), "
             "whose dense output the backbone takes."
@@ -368,21 +369,25 @@ def _tensor_checksums(every: Sequence[Tensor]) -> list[list[int]]:
     """
     parts: list[Tensor] = []
     owners: list[int] = []
+    checks: list[list[int]] = [[] for _ in every]
     for i, t in enumerate(every):
-        if t.layout == torch.strided:
+        if t.is_nested:  # a nested tensor's components, and their shapes (they are its shape)
+            pieces = list(t.unbind())
+            checks[i] += [d for piece in pieces for d in (piece.dim(), *piece.shape)]
+        elif t.layout == torch.strided:
             pieces = [t]
         else:
             coo = (t if t.layout == torch.sparse_coo else t.to_sparse_coo()).coalesce()
             pieces = [coo.indices(), coo.values()]
         parts += pieces
         owners += [i] * len(pieces)
-    checks: list[list[int]] = [[] for _ in every]
     for owner, values in zip(owners, _checksums([as_bits(part) for part in parts])):
         checks[owner] += values
     return checks
 
 
 def _mix(digest: int, t: Tensor, values: Sequence[int]) -> int:
-    for part in (zlib.crc32(str(t.dtype).encode()), t.dim(), *t.shape, *values):
+    shape = (t.size(0),) if t.is_nested else tuple(t.shape)  # a nested tensor's: its components' (in ``values``)
+    for part in (zlib.crc32(str(t.dtype).encode()), t.dim(), *shape, *values):
         digest = mix64(digest ^ (part & _MASK64))
     return digest
