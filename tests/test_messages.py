@@ -127,6 +127,25 @@ def test_an_inline_frame_carries_every_dtype_shape_and_gap_bit_for_bit():
             assert arrived.dtype == value.dtype and arrived.shape == value.shape and torch.equal(arrived, value)
 
 
+def test_lazy_conjugate_and_negative_views_travel_by_their_values_in_either_framing():
+    # `z.conj()` and a conjugate's `.imag` keep their values unconjugated and unnegated in memory, with a flag: the
+    # inline framing failed ("view is not supported for conjugate view tensors") and a frame per tensor carried
+    # the memory, so the next stage would have received the wrong values
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    values = (z.conj(), z.conj().imag)
+    assert values[0].is_conj() and values[1].is_neg()
+    tag = Tag("forward", 0, 0)
+    (frame,) = frames(values, [False, False], True, tag, INLINE_LIMIT)
+    specs, _, _ = decode(frame[:HEADER_BYTES].view(torch.int64))
+    inline = inline_values(frame, specs, torch.device("cpu"))
+    _, *apart = frames(values, [False, False], True, tag, inline_limit=0)
+    for got in (inline, apart):
+        assert torch.equal(got[0], torch.tensor([1 - 2j, 3 + 1j])) and not got[0].is_conj()
+        assert torch.equal(got[1], torch.tensor([-2.0, 1.0])) and not got[1].is_neg()
+        # what a send reads is the memory: it must hold the values themselves
+        assert torch.equal(torch.view_as_real(got[0]).flatten(), torch.tensor([1.0, -2.0, 3.0, 1.0]))
+
+
 def test_messages_of_every_framing_cross_a_real_gloo_pair_unchanged():
     from _engine_workers import wire_messages, wire_round_trip
 

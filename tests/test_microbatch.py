@@ -112,10 +112,17 @@ def test_fingerprint_tells_apart_another_sample_another_order_a_flip_and_another
     assert len({reference, *(microbatch.fingerprint(b) for b in others)}) == len(others) + 1
 
 
-def test_fingerprint_covers_every_dtype_a_batch_may_hold():
+def test_fingerprint_covers_every_dtype_a_batch_may_hold_and_lazy_conjugate_views():
     for dtype in (torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int32, torch.complex64):
         t = torch.ones(4, 2).to(dtype)
         assert microbatch.fingerprint(t) == microbatch.fingerprint(t.clone()) != 0
+    # lazy conjugate and negative views (`x.conj()`, a conjugate's `.imag`): read by their values; the conjugate
+    # failed with "view_as_real doesn't work on unresolved conjugated tensors"
+    x = torch.tensor([1 + 2j, 3 - 1j])
+    assert (
+        microbatch.fingerprint(x.conj()) == microbatch.fingerprint(x.conj().resolve_conj()) != microbatch.fingerprint(x)
+    )
+    assert microbatch.fingerprint(x.conj().imag) == microbatch.fingerprint(x.conj().imag.resolve_neg())
 
 
 def test_fingerprints_of_several_tensors_are_each_tensors_own_fingerprint():

@@ -240,7 +240,9 @@ def frames(
     message took 0.8 ms, a reused one 20 us; a fresh 4 MiB one 9.8 ms). Tell the framings apart by dtype: only
     inline frames are uint8.
     """
-    present = [v.detach().contiguous() for v in values if v is not None]
+    # a lazy conjugate or negative view (`z.conj()`, a conjugate's `.imag`) holds its values unconjugated and
+    # unnegated in memory, with a flag: resolved here, or the wire would carry the memory, not the values
+    present = [v.detach().resolve_conj().resolve_neg().contiguous() for v in values if v is not None]
     size = inline_size(present, inline_limit)
     if size is None:
         return [encode(values, requires_grad, structure, tag), *present]

@@ -233,9 +233,9 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def as_bits(t: Tensor) -> Tensor:
     """``t``'s values as integers of the same width, flat: exact digests sum these (integer sums do not
     depend on the order of summation, so every rank gets the same number for the same bits)."""
-    t = t.detach()
+    t = t.detach().resolve_neg()
     if t.is_complex():
-        t = torch.view_as_real(t)
+        t = torch.view_as_real(t.resolve_conj())  # a lazy conjugate (``x.conj()``) has no real view of its own
     t = t.reshape(-1)
     return t.view(_INT_OF_SIZE[t.element_size()]) if t.numel() else t.to(torch.int64)
 
