@@ -67,6 +67,7 @@ def _same_evaluations(got: dict[str, Any], want: dict[str, Any]) -> None:
         "two_optimizers",
         "compiled_layers",
         "scripted_layers",
+        "layer_with_its_own_generator",
         "embedding_first",
         "sparse_embedding_first",
         "backbone_called_twice",

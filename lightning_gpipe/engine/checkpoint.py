@@ -16,6 +16,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.rng import layer_generators
+
 __all__ = [
     "CHECKPOINT_MODES",
     "ForwardWrites",
@@ -166,10 +168,13 @@ class ForwardWrites:
     forward had left, 2.4e-3 off a run without re-materialization after 4 steps). Until the first forward has
     been watched, every buffer is copied (once); after it, only the written ones. A buffer first written in a
     later call (a layer that writes every N steps) is learned then: in that one call its recompute starts from
-    its current value, and it is still put back afterwards.
+    its current value, and it is still put back afterwards. A ``torch.Generator`` a layer holds (noise drawn from a
+    generator of its own) is replayed the same way: the recompute draws what the forward drew.
     """
 
     def __init__(self, stage: nn.Module) -> None:
+        #: generators the stage's layers hold (a noise layer's own): their state is replayed like a written buffer's
+        self._generators = layer_generators(stage)
         self._slots: list[_Slot] = [
             (module, name) for module in stage.modules() for name, b in module._buffers.items() if b is not None
         ]
@@ -197,6 +202,7 @@ class ForwardWrites:
         values = {i: self._buffer(i).detach().clone() for i in candidates}
         tensors = [self._buffer(i) for i in range(len(self._slots))]
         versions = [t._version for t in tensors]
+        states = {-1 - j: g.get_state() for j, g in enumerate(self._generators)}  # negative keys: the generators
         yield values
         for i, (t, version) in enumerate(zip(tensors, versions)):
             now = self._buffer(i)
@@ -207,15 +213,24 @@ class ForwardWrites:
         self._learned = True
         for i in [i for i in values if i not in self._written]:
             del values[i]
+        values.update(states)
 
     @contextmanager
     def replayed(self, values: dict[int, Tensor]) -> Iterator[None]:
         """The recompute: the buffers hold ``values`` (from :meth:`before`) inside, and what they held before after."""
         current = {i: self._buffer(i).detach().clone() for i in sorted(self._written)}
+        current.update({-1 - j: g.get_state() for j, g in enumerate(self._generators)})
         for i, value in values.items():
-            restore_buffer(self._buffer(i), value)
+            self._put(i, value)
         try:
             yield
         finally:
             for i, value in current.items():
-                restore_buffer(self._buffer(i), value)
+                self._put(i, value)
+
+    def _put(self, key: int, value: Tensor) -> None:
+        """Buffer ``key`` (>= 0) or generator ``-1 - key``'s state gets ``value``."""
+        if key < 0:
+            self._generators[-1 - key].set_state(value)
+        else:
+            restore_buffer(self._buffer(key), value)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 try:
     import numpy as np
@@ -22,8 +23,10 @@ except ImportError:  # numpy is optional for torch
 
 __all__ = [
     "RandomState",
+    "generators_kept",
     "get_rng_state",
     "isolated_rng",
+    "layer_generators",
     "layer_seed",
     "mix64",
     "seed_layer",
@@ -106,3 +109,32 @@ def seed_layer(seed: int, device: torch.device) -> None:
         torch.cuda.default_generators[
             device.index if device.index is not None else torch.cuda.current_device()
         ].manual_seed(seed)
+
+
+def layer_generators(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that ``module`` and its submodules hold as attributes (a noise layer's own).
+
+    The random streams of :func:`seed_layer` cover torch's default generators only. A layer that draws from a
+    generator of its own would draw again wherever the pipeline runs it more than the training does: in a
+    recompute (4.5e-3 off one device after 4 steps with ``checkpoint="always"``), in the balance profile and in the
+    per-sample check. Those put these generators' states back (:func:`generators_kept`, and
+    :class:`~lightning_gpipe.engine.checkpoint.ForwardWrites` for the recompute).
+    """
+    found: dict[int, torch.Generator] = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Generator):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+@contextmanager
+def generators_kept(module: nn.Module) -> Iterator[list[tuple[torch.Generator, Tensor]]]:
+    """Inside, ``module``'s own generators (:func:`layer_generators`) may draw; afterwards they hold their states
+    from before. Yields (generator, state) pairs, for code that resets them between runs inside."""
+    states = [(g, g.get_state()) for g in layer_generators(module)]
+    try:
+        yield states
+    finally:
+        for g, state in states:
+            g.set_state(state)

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.engine.layer_errors import note_layer_error
 from lightning_gpipe.engine.microbatch import map_tensors, tensors
+from lightning_gpipe.engine.rng import generators_kept, layer_generators
 from lightning_gpipe.engine.skip import SkipTracker, use_tracker
 from lightning_gpipe.engine.structure import per_sample
 
@@ -168,7 +169,7 @@ def probing(modules: nn.Module) -> Iterator[None]:
         module._buffers[name] = buffer.detach().clone()
     try:
         modules.eval()
-        with torch.no_grad():
+        with torch.no_grad(), generators_kept(modules):  # a layer's own generator draws no probe either
             yield
     finally:
         for module, name, buffer in buffers:
@@ -199,10 +200,13 @@ def find_mixing(
     first_changed: Optional[tuple[int, nn.Module]] = None
     for index, layer in layers:
         buffers = [(m, name, b) for m in layer.modules() for name, b in m._buffers.items() if b is not None]
+        generators = [(g, g.get_state()) for g in layer_generators(layer)]  # a noise layer's own, if it has one
         outputs = []
         for value, tracker in runs:
             for module, name, buffer in buffers:  # each run from the same state: a counter would count the runs
                 module._buffers[name] = buffer.clone()
+            for generator, state in generators:
+                generator.set_state(state)
             seed_layer(index)
             with use_tracker(tracker):
                 try:
