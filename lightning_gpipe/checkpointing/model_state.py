@@ -205,13 +205,13 @@ def _fill(
     mode (one put in eval mode), as a one-device module holds them after ``fit``.
     """
     # every name of a shared tensor, so that each place of a tie gets filled (then `retie` joins them)
-    params = own_layers.named_parameters(remove_duplicate=False)
+    params = list(own_layers.named_parameters(remove_duplicate=False))
     buffers = own_layers.named_buffers(remove_duplicate=False)
     state: dict[str, Any] = {name: t.detach().cpu() for name, t in [*params, *buffers]}
     state.update(_extra_states(own_layers))
     own = {
         "state": state,
-        "requires_grad": {name: p.requires_grad for name, p in own_layers.named_parameters(remove_duplicate=False)},
+        "requires_grad": {name: p.requires_grad for name, p in params},
         "training": {name: m.training for name, m in own_layers.named_modules(remove_duplicate=False) if name},
     }
     parts = gather(own, True) or []

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 try:
     import numpy as np
@@ -129,12 +129,12 @@ def layer_generators(module: nn.Module) -> list[torch.Generator]:
 
 
 @contextmanager
-def generators_kept(module: nn.Module) -> Iterator[list[tuple[torch.Generator, Tensor]]]:
+def generators_kept(module: nn.Module) -> Iterator[None]:
     """Inside, ``module``'s own generators (:func:`layer_generators`) may draw; afterwards they hold their states
-    from before. Yields (generator, state) pairs, for code that resets them between runs inside."""
+    from before."""
     states = [(g, g.get_state()) for g in layer_generators(module)]
     try:
-        yield states
+        yield
     finally:
         for g, state in states:
             g.set_state(state)
