@@ -29,6 +29,7 @@ import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_gpipe  # noqa: F401  (registers strategy="gpipe")
+from lightning_gpipe import refusals
 from lightning_gpipe.balancing import backbone_sample
 from lightning_gpipe.balancing.plan import (
     LinkModel,
@@ -40,7 +41,6 @@ from lightning_gpipe.balancing.plan import (
 )
 from lightning_gpipe.balancing.plan.auto import parse_bytes as auto_bytes
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.strategy import missing_backbone
 from lightning_gpipe.tasks import AmoebaNetClassifier, ImageDataModule
 
 __all__ = ["GPipeCLI", "main", "plan_command", "run"]
@@ -162,7 +162,7 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
     try:
         backbone = module.get_submodule(name)
     except AttributeError:
-        raise missing_backbone(module, name) from None
+        raise refusals.missing_backbone(module, name) from None
     sample, _ = backbone_sample(module, backbone, name, 1, (batch, "training_step", "train dataloader"))
     batch_size = microbatch.batch_size(sample)
     grid = options.chunks or chunk_grid(batch_size)

@@ -24,6 +24,7 @@ from lightning_gpipe.engine.topology import PipeLayout
 
 __all__ = [
     "callbacks",
+    "missing_backbone",
     "graph_logging",
     "stage_sharded_sampler",
     "sync_batchnorm",
@@ -34,6 +35,36 @@ __all__ = [
     "unsupported_finetuning",
     "whole_gradient_optimizers",
 ]
+
+
+def missing_backbone(module: nn.Module, backbone: str) -> ValueError:
+    """The error for a module without the attribute ``backbone``: it names the fix, and the nn.Sequentials the
+    module does hold (see :func:`_sequentials`)."""
+    found = _sequentials(module)
+    sizes = [(path, len(seq), sum(p.numel() for p in seq.parameters())) for path, seq in found[:5]]
+    listed = ", ".join(f"`{path}` ({layers} layers, {params:,} parameters)" for path, layers, params in sizes)
+    hint = (
+        f" {type(module).__name__} holds these nn.Sequential attributes: {listed}; name the one to pipeline, as in "
+        f'GPipeStrategy(backbone="{found[0][0]}").'
+        if found
+        else ""
+    )
+    return ValueError(
+        f"{type(module).__name__} has no attribute `{backbone}`; the gpipe strategy pipelines the nn.Sequential "
+        f"found there. Assign your layers to `self.{backbone} = nn.Sequential(...)`, or name the attribute with "
+        f"GPipeStrategy(backbone=...).{hint}"
+    )
+
+
+def _sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:
+    """The outermost nn.Sequential submodules of ``module`` (none inside another), by dotted path, those with the
+    most parameters first: what a missing backbone's error offers as the ``backbone=`` to name. The strategy never
+    picks one itself, since a wrong guess (a classifier head beside the features) would pipeline the wrong part."""
+    found: list[tuple[str, nn.Sequential]] = []
+    for path, sub in module.named_modules():
+        if path and isinstance(sub, nn.Sequential) and not any(path.startswith(p + ".") for p, _ in found):
+            found.append((path, sub))
+    return sorted(found, key=lambda item: -sum(p.numel() for p in item[1].parameters()))
 
 
 def sync_batchnorm(layer_sync: Any, module: nn.Module, processes: int) -> None:

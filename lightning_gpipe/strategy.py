@@ -25,10 +25,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.optim.swa_utils import AveragedModel
 from typing_extensions import override
 
-from lightning_gpipe import metric_sync, refusals
+from lightning_gpipe import metric_sync, refusals, weight_averages
 from lightning_gpipe._lightning import (
     START_METHODS,
     atomic_checkpoint_io,
@@ -95,7 +94,7 @@ from lightning_gpipe.engine.failure import (
     exit_without_finalizers,
 )
 from lightning_gpipe.engine.grad_scaler import loss_scale_state
-from lightning_gpipe.engine.gradients import clip_grad_norm_, stage_norm_keys
+from lightning_gpipe.engine.gradients import stage_norm_keys
 from lightning_gpipe.engine.host_malloc import keep_freed_memory
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
 from lightning_gpipe.engine.outer_layers import OuterLayers
@@ -125,6 +124,7 @@ from lightning_gpipe.engine.split_weights import SplitWeights, judge
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import refuse_ties_outside
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
+from lightning_gpipe.global_norm_clipping import GlobalNormClipping
 from lightning_gpipe.interrupt import InterruptTogether
 from lightning_gpipe.prediction_writers import write_once_per_pipeline
 from lightning_gpipe.requeue import RequeueTogether
@@ -138,36 +138,6 @@ _runs = itertools.count()  # names each run's failure board; every rank counts i
 
 #: The training batches the balance check times: batches _CHECK_FROM to _CHECK_FROM + _CHECK_STEPS - 1.
 _CHECK_FROM, _CHECK_STEPS = 2, 4
-
-
-def missing_backbone(module: nn.Module, backbone: str) -> ValueError:
-    """The error for a module without the attribute ``backbone``: it names the fix, and the nn.Sequentials the
-    module does hold (see :func:`_sequentials`)."""
-    found = _sequentials(module)
-    sizes = [(path, len(seq), sum(p.numel() for p in seq.parameters())) for path, seq in found[:5]]
-    listed = ", ".join(f"`{path}` ({layers} layers, {params:,} parameters)" for path, layers, params in sizes)
-    hint = (
-        f" {type(module).__name__} holds these nn.Sequential attributes: {listed}; name the one to pipeline, as in "
-        f'GPipeStrategy(backbone="{found[0][0]}").'
-        if found
-        else ""
-    )
-    return ValueError(
-        f"{type(module).__name__} has no attribute `{backbone}`; the gpipe strategy pipelines the nn.Sequential "
-        f"found there. Assign your layers to `self.{backbone} = nn.Sequential(...)`, or name the attribute with "
-        f"GPipeStrategy(backbone=...).{hint}"
-    )
-
-
-def _sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:
-    """The outermost nn.Sequential submodules of ``module`` (none inside another), by dotted path, those with the
-    most parameters first: what a missing backbone's error offers as the ``backbone=`` to name. The strategy never
-    picks one itself, since a wrong guess (a classifier head beside the features) would pipeline the wrong part."""
-    found: list[tuple[str, nn.Sequential]] = []
-    for path, sub in module.named_modules():
-        if path and isinstance(sub, nn.Sequential) and not any(path.startswith(p + ".") for p, _ in found):
-            found.append((path, sub))
-    return sorted(found, key=lambda item: -sum(p.numel() for p in item[1].parameters()))
 
 
 #: Where :meth:`GPipeStrategy._gather_decisions` was called, in its first column.
@@ -403,7 +373,7 @@ class GPipeStrategy(ParallelStrategy):
         self._interrupt = InterruptTogether()  # so does Ctrl-C (see lightning_gpipe.interrupt)
         self._in_main_process = False  # the main process of a spawn or fork launch, after its workers failed
         self._copies: list[tuple[nn.Module, str, StageCopy]] = []  # weight averages' backbones: (owner, attribute, cut)
-        self._mirrors: list[str] = []  # copies of the backbone outside it, by path (see _copies_of_the_backbone)
+        self._mirrors: list[str] = []  # copies of the backbone outside it, by path (see weight_averages)
 
     # -- processes and ranks ---------------------------------------------------------------------------
 
@@ -533,7 +503,7 @@ class GPipeStrategy(ParallelStrategy):
             if owner is None:
                 break
         if owner is None or not hasattr(owner, name):
-            raise missing_backbone(module, self.backbone)
+            raise refusals.missing_backbone(module, self.backbone)
         return owner, name
 
     def _build_pipe(self) -> GPipe:
@@ -771,7 +741,7 @@ class GPipeStrategy(ParallelStrategy):
         averaging = [name for name, _ in averaged_copies(trainer)]
         refusals.callbacks(trainer.callbacks, averaging, self.state_dict_type, self.world_size)  # type: ignore[attr-defined]
         self.accelerator.setup(trainer)
-        plugin: Any = copy_as(self.precision_plugin, _GlobalNormClipping)  # the user's plugin class, subclassed
+        plugin: Any = copy_as(self.precision_plugin, GlobalNormClipping)  # the user's plugin class, subclassed
         plugin.pipeline = lambda: self.pipe
         self.precision_plugin = plugin
         self.pipe = self._build_pipe()
@@ -1049,7 +1019,7 @@ class GPipeStrategy(ParallelStrategy):
         ranks = [rank for rank, d in zip(pipe.ranks, digests.tolist()) if d != digests[0].item()]
         mirrors = [m for m in self._mirrors if any(name.startswith(m + ".") for name in apart)]
         if mirrors:  # every stage found the same names, so every stage raises
-            raise RuntimeError(_mirror_apart(mirrors[0], ranks, pipe.ranks[0], when))
+            raise RuntimeError(weight_averages.mirror_apart(mirrors[0], ranks, pipe.ranks[0], when))
         outer.copy_first_stages(self._watch("the first stage's copy of the layers outside the backbone"))
         if not self._outer_resynced:
             self._outer_resynced = True
@@ -1134,47 +1104,19 @@ class GPipeStrategy(ParallelStrategy):
         set_rng_state(pipe.broadcast(get_rng_state(self.root_device)), self.root_device)
 
     def _cut_averaged_copies(self, trainer: "pl.Trainer") -> None:
-        """Cut the backbone of every weight-averaging callback's model copy like the pipe (see :class:`StageCopy`).
-
-        The callbacks copied the whole model before the pipe was built and pair the copy's parameters with the
-        live module's one by one; cut alike, each stage averages its own layers, exactly as one device would.
-        The copies' state_dict gathers every stage's averaged layers on the first stage (for checkpoints), and
-        ``teardown`` reassembles the whole averaged backbone.
-        """
+        """Cut the weight averages' copies of the backbone like the pipe (:mod:`lightning_gpipe.weight_averages`)."""
         pipe, module = self.pipe, self.lightning_module
         assert pipe is not None and module is not None
-        self._copies = []
-        for callback, copy in averaged_copies(trainer):
-            owner, name = self._backbone_owner(copy)
-            sequential = getattr(owner, name)
-            if isinstance(sequential, StageCopy):  # a failed run could not reassemble it
-                sequential = sequential.full_sequential()
-            if self.deferred_batch_norm:  # the same buffers as the live backbone's, to pair with them
-                DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
-            cut = StageCopy(sequential, pipe.balance, pipe.stage, self._gather_unless_failed)
-            setattr(owner, name, cut)
-            self._copies.append((owner, name, cut))
-            _pair_copy(callback, copy, module, fresh=trainer.state.fn == TrainerFn.FITTING)
-        copies = _copies_of_the_backbone(module, pipe) if pipe.group is not None else []
-        averages = [path for path, m in module.named_modules() if isinstance(m, AveragedModel)]
-        self._mirrors = []
-        for path, sequential in copies:
-            average = next((a for a in averages if path.startswith(a + ".")), None)
-            if average is None:  # a plain copy: every stage holds it whole, and must keep it one (see _mirror_apart)
-                self._mirrors.append(path)
-                continue
-            # in an AveragedModel of the module's own (an EMA made in __init__), the copy pairs with the model of
-            # `update_parameters`, the backbone: cut alike, each stage averages its own layers. Made equal to the first
-            # stage's whole copy in `_sync_replicated` (as a layer outside the backbone), it leaves those layers now.
-            parent, _, name = path.rpartition(".")
-            owner = module.get_submodule(parent)
-            if self.deferred_batch_norm:
-                DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
-            cut = StageCopy(sequential, pipe.balance, pipe.stage, self._gather_unless_failed)
-            setattr(owner, name, cut)
-            self._copies.append((owner, name, cut))
-            _pair_copy(f"the AveragedModel `{average}`", cut, pipe, fresh=False)
-        if len(self._mirrors) < len(copies):
+        cut = weight_averages.cut_copies(
+            trainer,
+            module,
+            pipe,
+            self._backbone_owner,
+            self.chunks if self.deferred_batch_norm else None,
+            self._gather_unless_failed,
+        )
+        self._copies, self._mirrors = cut.copies, cut.mirrors
+        if cut.inside_the_module:
             self._outer = OuterLayers(module, pipe)  # without the cut copies' tensors, which differ by stage
         whole = [*module.modules(), *pipe.full_sequential().modules()]
         tell_swa_about_batch_norm(trainer, any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in whole))
@@ -1711,72 +1653,5 @@ class GPipeStrategy(ParallelStrategy):
             )
 
 
-def _layer_shapes(sequential: nn.Sequential) -> list[tuple[type, list[torch.Size]]]:
-    """Each layer's type and the shapes of its parameters and buffers: what a copy of a Sequential shares with it."""
-    return [(type(layer), [t.shape for t in [*layer.parameters(), *layer.buffers()]]) for layer in sequential]
-
-
-def _copies_of_the_backbone(module: nn.Module, pipe: GPipe) -> list[tuple[str, nn.Sequential]]:
-    """The nn.Sequentials of ``module`` outside the backbone with its layers and shapes (``copy.deepcopy(
-    self.backbone)``): a momentum encoder's target, a frozen teacher, the copy inside an ``AveragedModel`` (where
-    ``update_parameters`` pairs its tensors one by one with the live backbone's, which lists one stage's); by path."""
-    whole = _layer_shapes(pipe.full_sequential())
-    return [
-        (path, sub)
-        for path, sub in module.named_modules()
-        if isinstance(sub, nn.Sequential) and _layer_shapes(sub) == whole  # the backbone is the pipe now
-    ]
-
-
-def _mirror_apart(mirror: str, ranks: list[int], first: int, when: str) -> str:
-    """The error for a copy of the backbone outside it that the stages changed apart (``_copies_of_the_backbone``)."""
-    return (
-        f"{when}, `{mirror}` differed between the stages (rank(s) {ranks} from the first stage's, rank {first}). "
-        f"`{mirror}` is a copy of the backbone outside it (the same layers and shapes), which every stage holds whole. "
-        f"Code that updates it from `self.backbone.parameters()` during a fit, such as a momentum encoder's "
-        f"`zip(self.backbone.parameters(), self.{mirror}.parameters())`, gets this rank's stage only, so each stage "
-        "wrote its own layers into the copy's first ones and no stage updated the rest: the copy would be wrong on "
-        "every stage. For an average of the backbone, make `torch.optim.swa_utils.AveragedModel(self.backbone)` in "
-        "`__init__` (the strategy cuts it like the pipe) or use `EMAWeightAveraging`; a copy updated from the backbone "
-        "and run during the fit is not supported over several stages: train it with `devices=1` or DDP."
-    )
-
-
-def _pair_copy(callback: str, copy: nn.Module, module: nn.Module, fresh: bool) -> None:
-    """Check that a weight average's cut ``copy`` pairs with the pipelined ``module`` tensor by tensor, as the
-    averaging callbacks zip them; a ``fresh`` copy (made in this ``fit``'s setup, before the layers outside the
-    backbone were made equal on every stage) takes the module's values, as a copy made after that would hold."""
-    copied, live = [*copy.parameters(), *copy.buffers()], [*module.parameters(), *module.buffers()]
-    if len(copied) != len(live) or any(c.shape != t.shape for c, t in zip(copied, live)):
-        raise RuntimeError(
-            f"The model copy of {callback} does not pair with the pipelined model tensor by tensor "
-            f"({len(copied)} tensors against {len(live)}), so it would average the wrong weights. Report this with "
-            "your model's structure; meanwhile train with this callback on one device or with DDP."
-        )
-    if fresh:
-        with torch.no_grad():
-            for c, t in zip(copied, live):
-                c.copy_(t)
-
-
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
-
-
-class _GlobalNormClipping:
-    """Mixed into the run's precision plugin: norm clipping by the norm over every stage, not this stage's.
-
-    Lightning clips through ``precision_plugin.clip_grad_by_norm(optimizer, clip_val)``, a public method
-    with no strategy hook around it, and builds the plugin itself from ``precision=``; so the strategy
-    runs with a copy of the plugin whose class adds this (see :mod:`lightning_gpipe._subclass`). Without
-    a pipeline (another strategy's run) it clips as the plugin would.
-    """
-
-    pipeline: Callable[[], Optional[GPipe]]  # the running strategy's pipe (set with the copy)
-
-    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-        pipe = self.pipeline()
-        if pipe is None:
-            return super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]  # the plugin's own class
-        main_params = self.main_params(optimizer)  # type: ignore[attr-defined]
-        clip_grad_norm_(main_params, clip_val, pipe=pipe)  # what `lightning_gpipe.clip_grad_norm_` does

@@ -26,6 +26,8 @@ LAYERS = {
     "sigterm": {"_lightning"},
     "requeue": {"_lightning"},
     "interrupt": {"_lightning"},
+    "weight_averages": {"engine", "_lightning"},
+    "global_norm_clipping": {"engine"},
     "strategy": {
         "refusals",
         "engine",
@@ -39,13 +41,25 @@ LAYERS = {
         "sigterm",
         "requeue",
         "interrupt",
+        "weight_averages",
+        "global_norm_clipping",
     },
     "monitor.callback": {"engine", "monitor.timer", "monitor.timeline", "_lightning", "strategy"},
     "refusals": {"engine"},
     "tasks": {"models"},
 }
 #: Layers that must work without Lightning (plain PyTorch).
-PLAIN = ("engine", "balancing", "checkpointing", "monitor.timer", "monitor.timeline", "_subclass", "launch", "models")
+PLAIN = (
+    "engine",
+    "balancing",
+    "checkpointing",
+    "monitor.timer",
+    "monitor.timeline",
+    "_subclass",
+    "global_norm_clipping",
+    "launch",
+    "models",
+)
 
 
 def _modules() -> dict[str, pathlib.Path]:
