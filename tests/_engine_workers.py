@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 import sys
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -199,6 +201,78 @@ def structured_pipeline(rank: int, world_size: int, settings: list[tuple[list[in
         )
         pipe.close()
     dist.destroy_process_group()
+    return results
+
+
+class PythonLayerDrop(nn.Module):
+    """LayerDrop as older Hugging Face encoders wrote it: skip the layer when Python's ``random.random() < p``."""
+
+    def __init__(self, inner: nn.Module, numpy: bool = False) -> None:
+        super().__init__()
+        self.inner, self.numpy = inner, numpy
+
+    def forward(self, x: Tensor) -> Tensor:
+        draw = float(np.random.uniform(0, 1)) if self.numpy else random.random()
+        return x if self.training and draw < 0.5 else self.inner(x)
+
+
+class OwnHostNoise(nn.Module):
+    """Noise drawn from a ``random.Random`` and a NumPy ``Generator`` the layer holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.python, self.numpy = random.Random(5), np.random.default_rng(7)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * (1 + self.python.random()) + float(self.numpy.normal()) if self.training else x
+
+
+def host_random_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8),
+        nn.Tanh(),
+        PythonLayerDrop(nn.Linear(8, 8)),
+        nn.Tanh(),
+        OwnHostNoise(),
+        PythonLayerDrop(nn.Linear(8, 8), numpy=True),
+        nn.Tanh(),
+        nn.Linear(8, 3),
+    )
+
+
+def host_random_training(rank: int, world_size: int, settings: list[tuple[list[int], str]]) -> list[dict]:
+    """The model of :func:`host_random_model` trained 6 steps by pipelines of ``world_size`` stages, one per (balance,
+    checkpoint) setting; each process's Python and NumPy generators start elsewhere, as in an unseeded script."""
+    from lightning_gpipe import GPipe
+
+    if world_size > 1:
+        dist.init_process_group("gloo")
+    results = []
+    for balance, checkpoint in settings:
+        random.seed(100 + rank)
+        np.random.seed(100 + rank)
+        pipe = GPipe(host_random_model(), balance, chunks=4, checkpoint=checkpoint, seed=0)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(6):
+            x, y = torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+            loss = F.cross_entropy(pipe(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        results.append(
+            {
+                "losses": losses,
+                "weights": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+                "callers_draws": (random.random(), float(np.random.uniform())),  # after the pipe's calls
+            }
+        )
+        pipe.close()
+    if world_size > 1:
+        dist.destroy_process_group()
     return results
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from _engine_workers import PythonLayerDrop
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,8 +34,13 @@ class StopGradient(nn.Module):
         return x.detach()
 
 
-def mlp(dropout: float = 0.0, inplace: bool = False, stop_gradient: bool = False) -> nn.Sequential:
+def mlp(
+    dropout: float = 0.0, inplace: bool = False, stop_gradient: bool = False, host_random: bool = False
+) -> nn.Sequential:
     """Seven layers of uneven sizes, so that parameter-count splits are uneven too.
+
+    ``host_random``: the two ``Tanh`` are skipped at random, by draws from Python's ``random`` and from NumPy's global
+    generator (:class:`_engine_workers.PythonLayerDrop`, which draws in evaluation too).
 
     ``inplace``: eight layers instead, every even one an in-place ``LeakyReLU`` (not idempotent, so one
     applied twice shows), which :data:`INPLACE_BALANCE` puts first on every stage. ``stop_gradient``: a
@@ -52,6 +59,8 @@ def mlp(dropout: float = 0.0, inplace: bool = False, stop_gradient: bool = False
         nn.Tanh(),
         nn.Linear(12, 8),
     ]
+    if host_random:
+        layers[1], layers[5] = PythonLayerDrop(layers[1]), PythonLayerDrop(layers[5], numpy=True)
     if dropout:
         layers.insert(2, nn.Dropout(dropout))
         layers.insert(6, nn.Dropout(dropout))
@@ -79,12 +88,13 @@ class Net(L.LightningModule):
         inplace: bool = False,
         stop_gradient: bool = False,
         detach_output: bool = False,
+        host_random: bool = False,
     ):
         super().__init__()
         self.optimizer_name, self.scheduler, self.sync_dist = optimizer, scheduler, sync_dist
         self.detach_output = detach_output  # the head alone learns; the backbone's .grad stays None
         self.stem = nn.Linear(FEATURES, FEATURES) if stem else None
-        self.backbone = mlp(dropout, inplace, stop_gradient)
+        self.backbone = mlp(dropout, inplace, stop_gradient, host_random)
         self.head = nn.Sequential(nn.Dropout(head_dropout), nn.Linear(8, CLASSES))
         self.losses: list[float] = []
         self.first_grads: dict[str, torch.Tensor] = {}
@@ -150,9 +160,9 @@ def trainer_kwargs(**overrides) -> dict:
     return kwargs
 
 
-def fit_record(model: Net, trainer: L.Trainer, data: DataLoader) -> dict:
+def fit_record(model: Net, trainer: L.Trainer, data: DataLoader, val: Optional[DataLoader] = None) -> dict:
     """Fit, then return the losses, the first step's gradients and the final weights."""
-    trainer.fit(model, data)
+    trainer.fit(model, data, val)
     return {
         "losses": list(model.losses),
         "grads": {k: v.cpu() for k, v in model.first_grads.items()},

@@ -70,8 +70,15 @@ EXTRAS = [
     ),
 ]
 
-#: Dropout in the backbone and in the head: compared across K, not with a run without the package.
-DROPOUT = Config("dropout", model=(("dropout", 0.3), ("head_dropout", 0.2)), strategy=(("chunks", 2),))
+#: Dropout in the backbone and in the head, and layers skipped by Python's and NumPy's draws, with a sanity check's
+#: validation batch before training (the layers draw in evaluation mode too): compared across K, not with a run
+#: without the package.
+DROPOUT = Config(
+    "dropout",
+    model=(("dropout", 0.3), ("head_dropout", 0.2), ("host_random", True)),
+    strategy=(("chunks", 2),),
+    trainer=(("num_sanity_val_steps", 1), ("limit_val_batches", 1)),
+)
 
 
 def uneven_balance(stages: int) -> list[int]:
@@ -90,7 +97,12 @@ def run_config(config: Config, devices: int) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     model = M.Net(**dict(config.model))
     trainer = L.Trainer(strategy=GPipeStrategy(**strategy), devices=devices, **M.trainer_kwargs(**dict(config.trainer)))
-    return M.fit_record(model, trainer, M.loader())
+    return M.fit_record(model, trainer, M.loader(), _validation(config))
+
+
+def _validation(config: Config) -> Any:
+    """A validation loader where the config validates (``limit_val_batches``), else none."""
+    return M.loader(shuffle=False) if dict(config.trainer).get("limit_val_batches") else None
 
 
 def reference(config: Config) -> dict[str, Any]:
@@ -98,7 +110,7 @@ def reference(config: Config) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     model = M.Net(**dict(config.model))
     trainer = L.Trainer(devices=1, **M.trainer_kwargs(**dict(config.trainer)))
-    return M.fit_record(model, trainer, M.loader())
+    return M.fit_record(model, trainer, M.loader(), _validation(config))
 
 
 def sweep(rank: int, world_size: int, configs: list[Config], extras: bool) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def test_bf16_mixed_precision_tracks_the_one_device_run(stages, pipeline_runs, r
         torch.testing.assert_close(got["weights"][key], value, atol=2e-3, rtol=0)
 
 
-def test_dropout_gives_identical_weights_for_one_two_and_three_stages(pipeline_runs):
+def test_dropout_and_pythons_and_numpys_draws_give_identical_weights_for_one_two_and_three_stages(pipeline_runs):
     one = _sweeps.run_config(_sweeps.DROPOUT, devices=1)
     for stages in (2, 3):
         got = pipeline_runs(stages)[0][_sweeps.DROPOUT.name]

@@ -1,8 +1,22 @@
 """Random streams keyed by (seed, call, micro-batch, layer), independent of the caller's generator."""
 
-import torch
+import random
 
-from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.engine.rng import (
+    HostDraws,
+    generators_kept,
+    host_streams,
+    isolated_rng,
+    layer_generators,
+    layer_seed,
+    seed_host,
+    seed_layer,
+)
 
 
 def test_layer_seeds_differ_by_every_key_and_repeat_for_the_same_key():
@@ -23,3 +37,65 @@ def test_isolated_rng_puts_the_callers_generator_back():
     with isolated_rng(torch.device("cpu")):
         seed_layer(123, torch.device("cpu"))
         assert torch.equal(torch.rand(3), inside)
+
+
+def test_host_streams_give_the_callers_draws_back_when_keyed_and_fail_naming_the_draw_when_not():
+    random.seed(0)
+    np.random.seed(0)
+    expected = random.random(), np.random.uniform()
+    random.seed(0)
+    np.random.seed(0)
+    with host_streams(keyed=True, drew=lambda: "unused"):
+        seed_host(123)
+        inside = random.random(), np.random.uniform()
+        seed_host(123)
+        assert (random.random(), np.random.uniform()) == inside  # the same key, the same draws
+        seed_host(124)
+        assert (random.random(), np.random.uniform()) != inside
+    assert (random.random(), np.random.uniform()) == expected
+    state = random.getstate(), np.random.get_state()
+    with host_streams(keyed=False, drew=lambda: "nothing may draw"):
+        torch.rand(2)  # torch's generator is another matter (isolated_rng)
+    for draw in (random.random, np.random.uniform):
+        with pytest.raises(RuntimeError, match="nothing may draw"), host_streams(False, lambda: "nothing may draw"):
+            draw()
+        assert random.getstate() == state[0] and np.array_equal(np.random.get_state()[1], state[1][1])
+
+
+def test_host_draws_key_every_layer_in_a_modes_first_call_then_only_where_a_layer_drew():
+    draws = HostDraws()
+    training, evaluation = (True, True), (False, False)
+    assert draws.learning(training) and draws.keyed(training) and draws.keyed(evaluation)
+    draws.learnt(training, [3, 1, 3])
+    assert not draws.learning(training) and draws.keyed(training) and draws.drawing(training) == [1, 3]
+    draws.learnt(evaluation, [])
+    assert not draws.keyed(evaluation) and draws.keyed((True, False))
+
+
+def test_layer_generators_finds_every_kind_a_layer_draws_from_and_puts_each_back():
+    layer = nn.Linear(2, 2)
+    layer.inner = nn.Module()
+    layer.torch_generator = torch.Generator().manual_seed(1)
+    layer.python = random.Random(2)
+    layer.inner.numpy = np.random.default_rng(3)
+    layer.inner.legacy = np.random.RandomState(4)
+    layer.system = random.SystemRandom()  # the OS's entropy: nothing to put back
+    found = layer_generators(layer)
+    assert [type(g.generator) for g in found] == [
+        torch.Generator,
+        random.Random,
+        np.random.Generator,
+        np.random.RandomState,
+    ]
+
+    def draws():
+        return (
+            torch.rand(1, generator=layer.torch_generator).item(),
+            layer.python.random(),
+            layer.inner.numpy.random(),
+            layer.inner.legacy.rand(),
+        )
+
+    with generators_kept(layer):
+        first = draws()
+    assert draws() == first

@@ -143,7 +143,7 @@ def profile_layers(
     pops = {route.key: route.pop_layer for route in find_skips(module) if route.pop_layer != route.stash_layer}
     # Whole sweeps, not repeats of one layer in a row: each layer then meets the caches and the
     # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
-    with isolated_rng(device), generators_kept(module), torch.enable_grad():
+    with isolated_rng(device, everything=True), generators_kept(module), torch.enable_grad():
         for sweep in range(0 if count else 1, 1 + repeats):
             # a copy: an in-place first layer would write the sample, which every sweep starts from
             x = microbatch.map_tensors(
@@ -211,7 +211,7 @@ def crossable_at(
     size = microbatch.batch_size(sample)
     x = microbatch.map_tensors(lambda t: t.detach().to(device, copy=True), sample)
     flags = []
-    with isolated_rng(device), generators_kept(module), probing(module), use_tracker(SkipTracker()):
+    with isolated_rng(device, everything=True), generators_kept(module), probing(module), use_tracker(SkipTracker()):
         for layer in module:
             home = _device_of(layer)
             layer.to(device)  # one layer on the device at a time, as profile_layers runs them

@@ -28,7 +28,16 @@ from lightning_gpipe.engine.layer_errors import note_layer_error
 from lightning_gpipe.engine.lockstep import check_message
 from lightning_gpipe.engine.messages import Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
-from lightning_gpipe.engine.rng import isolated_rng, layer_seed, seed_layer
+from lightning_gpipe.engine.rng import (
+    HostDraws,
+    host_state,
+    host_streams,
+    isolated_rng,
+    layer_seed,
+    same_host_state,
+    seed_host,
+    seed_layer,
+)
 from lightning_gpipe.engine.sample_check import MixedSamples, find_mixing, joined, probing
 from lightning_gpipe.engine.schedule import fill_drain
 from lightning_gpipe.engine.selective import back_into_inputs, fills_every_leaf
@@ -71,6 +80,7 @@ class _Run:
     #: per tensor of the pipeline's output: whether it requires grad, as it would on one device (see ``_share``)
     output_grad: list[bool] = field(default_factory=list)
     first_inputs: FirstStageInputs = field(default_factory=FirstStageInputs)  # the first stage's input leaves
+    host_keyed: bool = False  # whether the layers seed Python's and NumPy's generators (see rng.HostDraws)
 
 
 class StageRunner:
@@ -127,6 +137,7 @@ class StageRunner:
         self.batch_fingerprint: Optional[int] = None
         self.tracer: Optional[Tracer] = None
         self._modules = nn.ModuleList(m for _, m in layers)
+        self._host = HostDraws()  # which layers draw from Python's `random` or NumPy's global generator
         self._writes = ForwardWrites(self._modules)
         self._kept = KeptInputs(stage)  # a checkpointed micro-batch's input, unwritten for its recompute
 
@@ -215,21 +226,36 @@ class StageRunner:
     # -- forward (fill) ------------------------------------------------------------------------------
 
     def _run_layers(
-        self, x: Any, call: int, micro: int, received: Bundles
+        self,
+        x: Any,
+        call: int,
+        micro: int,
+        received: Bundles,
+        host_keyed: bool = False,
+        drawing: Optional[list[int]] = None,
     ) -> tuple[tuple[Tensor, ...], Structure, Bundles]:
-        """The stage's layers on one micro-batch: its output's tensors and structure, and the skips it sends."""
+        """The stage's layers on one micro-batch: its output's tensors and structure, and the skips it sends.
+
+        ``host_keyed``: each layer also seeds Python's and NumPy's generators; ``drawing`` (a stage's first call)
+        gets the layers that drew from them (see :class:`~lightning_gpipe.engine.rng.HostDraws`)."""
         x = enter(x)  # an in-place first layer works on it, as on one device (see stage_input)
         received = {src: enter(bundle) for src, bundle in received.items()}
         tracker = SkipTracker(self.skips.keyed(received), record=True)
         given = x
         with isolated_rng(self.device), use_tracker(tracker):
             for index, layer in self.layers:
-                seed_layer(layer_seed(self.seed, call, micro, index), self.device)
+                key = layer_seed(self.seed, call, micro, index)
+                seed_layer(key, self.device)
+                if host_keyed:
+                    seed_host(key)
+                seeded = host_state() if drawing is not None else None
                 try:
                     x = layer(x)
                 except Exception as error:
                     note_layer_error(error, self._describe_layer(index), micro, given)
                     raise
+                if seeded is not None and drawing is not None and not same_host_state(seeded, host_state()):
+                    drawing.append(index)
         leaving = self.skips.outgoing(tracker, self._describe_layer)
         try:
             return (*flatten(x), leaving)
@@ -240,6 +266,25 @@ class StageRunner:
                 f"Layer {index} ({type(layer).__name__}), the last of stage {self.stage}, {error} at {where}. "
                 "Make it return one, or move the stage boundary with `balance`."
             ) from None
+
+    def _mode(self) -> tuple[bool, ...]:
+        """The layers' ``training`` flags: what :class:`~lightning_gpipe.engine.rng.HostDraws` learns per."""
+        return tuple(layer.training for _, layer in self.layers)
+
+    def _drew(self, run: _Run, flags: tuple[bool, ...]) -> str:
+        """The error where this stage's layers drew from Python's or NumPy's global generator unseeded."""
+        mode = "training" if all(flags) else "evaluation" if not any(flags) else "this mix of training and evaluation"
+        return (
+            f"Stage {self.stage}'s layers ({self._describe_layer(self.layers[0][0])} to "
+            f"{self._describe_layer(self.layers[-1][0])}) drew from Python's `random` or NumPy's global generator in "
+            f"pipeline call {run.call}, though none did in the stage's first call in {mode} mode, where the pipeline "
+            "looks for such layers. It seeds those generators per (seed, call, micro-batch, layer), as it does "
+            "torch's, only on stages whose layers drew in their first call; so here they drew from this process's "
+            "own state: with another number of stages they would have drawn other numbers, and a checkpointed "
+            "micro-batch's recompute others again. Draw from torch's generators (`torch.rand`, `torch.bernoulli`), "
+            "which the pipeline seeds for every layer and call, or from a generator the layer holds "
+            "(`random.Random(seed)`, `np.random.default_rng(seed)`), which it replays in the recompute."
+        )
 
     def _describe_layer(self, index: int) -> str:
         return f"Layer {index} ({type(dict(self.layers)[index]).__name__}) on stage {self.stage}"
@@ -271,7 +316,12 @@ class StageRunner:
         outputs: list[tuple[Tensor, ...]] = []
         output_grad: dict[bool, list[list[bool]]] = {True: [], False: []}  # by whether the flags were seen
         structures: list[Structure] = []
-        with micro_batches(count):  # a DeferredBatchNorm commits after the last micro-batch of this call
+        # a DeferredBatchNorm commits after the last micro-batch of this call; the layers seed Python's and NumPy's
+        # generators (see seed_layer), which the caller gets back as they were
+        mode = self._mode()
+        run.host_keyed = self._host.keyed(mode)
+        drawing: Optional[list[int]] = [] if self._host.learning(mode) else None  # watched on micro-batch 0
+        with micro_batches(count), host_streams(run.host_keyed, partial(self._drew, run, mode)):
             for task in fill_drain(count, self.checkpoint)[0]:
                 i = task.micro
                 if self.is_first:
@@ -297,7 +347,9 @@ class StageRunner:
                     self._kept.for_forward(x, received) if recompute else (x, received, [])
                 )
                 with torch.set_grad_enabled(train and not recompute), self._span("forward", i), writes as buffers:
-                    y, structure, leaving = self._run_layers(layers_x, call, i, layers_received)
+                    y, structure, leaving = self._run_layers(
+                        layers_x, call, i, layers_received, run.host_keyed, drawing if i == 0 else None
+                    )
                 if recompute:
                     self._kept.after_forward(watched, i)
                 elif train and self.is_first:
@@ -329,6 +381,8 @@ class StageRunner:
                     self._send(self.ranks[self.stage + 1], y, out_flags, structure, tag)
                 for dst, values in leaving.items():  # after the activations: the order every receiver expects
                     self._send(self.ranks[dst], values, skip_flags[dst], True, skip_tag)
+        if drawing is not None:
+            self._host.learnt(mode, drawing)
         run.sizes = sizes
         values, structure, run.output_grad = self._share(
             outputs,
@@ -370,9 +424,14 @@ class StageRunner:
     ) -> None:
         """Runs the check on micro-batch ``x`` of ``size`` samples (see :func:`~.sample_check.find_mixing`)."""
         self.per_sample_checked = True
-        seed = lambda index: seed_layer(layer_seed(self.seed, call, 0, index), self.device)  # noqa: E731
+
+        def seed(index: int) -> None:  # each of the check's runs of a layer draws the same numbers
+            key = layer_seed(self.seed, call, 0, index)
+            seed_layer(key, self.device)
+            seed_host(key)
+
         leaving = lambda tracker: self.skips.outgoing(tracker, self._describe_layer)  # noqa: E731
-        with isolated_rng(self.device), probing(self._modules):
+        with isolated_rng(self.device, everything=True), probing(self._modules):
             try:
                 probe = find_mixing(self.layers, x, received, size, seed, leaving)
             except Exception as error:
@@ -551,7 +610,7 @@ class StageRunner:
         assert buffers is not None and received is not None  # a checkpointed micro-batch's, from the fill
         with self._span("recompute", i), torch.enable_grad(), autocast, recomputing():
             with self._writes.replayed(buffers):
-                y, _, leaving = self._run_layers(run.inputs[i], run.call, i, received)
+                y, _, leaving = self._run_layers(run.inputs[i], run.call, i, received, run.host_keyed)
         if self.is_first:
             run.first_inputs.pass_on_writes(i)
         return y, leaving
@@ -636,7 +695,11 @@ class _Bridge(torch.autograd.Function):
         whole = fills_every_leaf(ctx.anchor)  # else torch.autograd.grad or backward(inputs=...): leave .grad alone
         outer, ctx.runner._draining = ctx.runner._draining, run
         try:
-            with ctx.runner._span("drain"):
+            recomputes = any(buffers is not None for buffers in run.buffers)  # which run the layers again
+            streams = (
+                host_streams(run.host_keyed, partial(ctx.runner._drew, run, True)) if recomputes else nullcontext()
+            )
+            with ctx.runner._span("drain"), streams:
                 input_grads = ctx.runner._drain(run, grads, whole) or [None] * ctx.num_leaves
                 if ctx.runner.after_drain is not None and whole:
                     ctx.runner.after_drain()
