@@ -11,9 +11,9 @@ torchmetrics looks up its default sync function, ``gather_all_tensors``, in its 
 (``Metric.sync``). Once routed, that name is :func:`_gather`: while a strategy has set :func:`sync_over_replicas`
 (from its setup to its teardown), a gather without a group goes over this stage's replicas (with one pipeline,
 this rank alone: its own state, as one device holds it); a gather given a group (``process_group=`` on the metric,
-or ``sync(process_group=...)``) and every gather outside a strategy's run is torchmetrics' own. At teardown the
-metrics the callbacks keep get the replica group as their own (:func:`keep_over`), for what the script computes
-after ``fit``.
+or ``sync(process_group=...)``) and every gather outside a strategy's run is torchmetrics' own. The module's metrics
+(at setup) and those the callbacks keep (at teardown) get :func:`replica_gather` as their sync function
+(:func:`keep_over`), which goes on syncing over the replicas for what the script computes after ``fit``.
 
 Written by hand because torchmetrics has no default group to set, only ``process_group`` and ``dist_sync_fn`` per
 metric, and the metrics in question are not the package's to configure.
@@ -29,13 +29,16 @@ import torch.distributed as dist
 import torchmetrics
 import torchmetrics.metric as torchmetrics_metric
 from torch import Tensor, nn
+from torchmetrics.utilities.distributed import gather_all_tensors
 
-__all__ = ["keep_over", "route_default_sync", "routed", "sync_over_replicas"]
+__all__ = ["keep_over", "replica_gather", "route_default_sync", "routed", "sync_over_replicas"]
 
 #: torchmetrics' own ``gather_all_tensors``, kept while :func:`_gather` stands in for it
 _torchmetrics_gather: Optional[Callable[..., list[Tensor]]] = None
 #: while a strategy is set up: this stage's replica group, or ``None`` where the rank is its stage's only replica
 _replicas: Optional[Callable[[], Optional[dist.ProcessGroup]]] = None
+#: after a run: the replica group the metrics of :func:`keep_over` sync over (``(None,)``: nothing to sync with)
+_kept: Optional[tuple[Optional[dist.ProcessGroup]]] = None
 
 
 def routed() -> bool:
@@ -68,29 +71,54 @@ def route_default_sync() -> bool:
     return True
 
 
-def sync_over_replicas(group: Optional[Callable[[], Optional[dist.ProcessGroup]]]) -> None:
+def sync_over_replicas(
+    group: Optional[Callable[[], Optional[dist.ProcessGroup]]], kept: Optional[dist.ProcessGroup] = None
+) -> None:
     """From now on, a metric sync without a group of its own goes over ``group()`` (which gives ``None`` where this
-    rank is its stage's only replica); ``None`` ends that (the strategy's setup and teardown call this)."""
-    global _replicas
+    rank is its stage's only replica); ``None`` ends that (the strategy's setup and teardown call this), and the
+    metrics given :func:`replica_gather` (:func:`keep_over`) sync over ``kept`` from then on: the replica group of the
+    run that ended, ``None`` where this rank was its stage's only replica (nothing to sync with)."""
+    global _replicas, _kept
     if group is not None:
         route_default_sync()
+    else:
+        _kept = (kept,)
     _replicas = group
 
 
-def keep_over(group: dist.ProcessGroup, holders: Iterable[object]) -> None:
-    """Give ``group`` to every torchmetrics metric without a ``process_group`` that ``holders`` keep: a module's own
-    (a ``MetricCollection`` included), or an object's attributes, also in lists, tuples and dicts.
+def keep_over(holders: Iterable[object]) -> None:
+    """Make every torchmetrics metric without a ``process_group`` or ``dist_sync_fn`` of its own that ``holders`` keep
+    sync over the replicas (:func:`replica_gather`): a module's own (a ``MetricCollection`` included), or an object's
+    attributes, also in lists, tuples and dicts.
 
     The strategy calls it on the LightningModule at setup, and on the callbacks at teardown, after which
     :func:`sync_over_replicas` ends (a later run in this process, with another strategy, must sync as torchmetrics
     does): the stages' metrics still hold equal states then, so a metric the script computes once ``fit`` returned (a
-    callback's confusion matrix) still counts each sample once.
+    callback's confusion matrix) still counts each sample once. The metric gets a function of this module's, not the
+    group itself: a ``ProcessGroup`` cannot be copied or pickled, and Lightning's weight averaging deep-copies the
+    module at the setup of a later ``fit`` (which failed with "cannot pickle 'ProcessGroup' object").
     """
     modules = [h for h in holders if isinstance(h, nn.Module)]
     attributes = [v for h in holders if not isinstance(h, nn.Module) for v in getattr(h, "__dict__", {}).values()]
     for metric in _metrics_in([*modules, *attributes], depth=2):
-        if metric.process_group is None:
-            metric.process_group = group
+        if metric.process_group is None and metric.dist_sync_fn is None:
+            metric.dist_sync_fn = replica_gather
+
+
+def replica_gather(result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
+    """The ``dist_sync_fn`` :func:`keep_over` gives: where no group is given, over this stage's replicas during a
+    strategy's run, and afterwards over those of the last run in this process."""
+    gather = _torchmetrics_gather if _torchmetrics_gather is not None else gather_all_tensors
+    if group is None:
+        if _replicas is not None:
+            group = _replicas()
+        elif _kept is not None:
+            group = _kept[0]
+        else:  # no run in this process (a copy unpickled elsewhere): torchmetrics' own sync
+            return gather(result)
+        if group is None:
+            return [result]  # the only replica of this stage: nothing to sync with
+    return gather(result, group=group)
 
 
 def _metrics_in(values: list[Any], depth: int) -> Iterator[torchmetrics.Metric]:

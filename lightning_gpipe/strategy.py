@@ -1082,7 +1082,7 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._mesh is None or module is None:
             return
-        metric_sync.keep_over(self._mesh.get_group("dp"), [module])
+        metric_sync.keep_over([module])
         # and the metrics outside the module (a callback's, one built in a hook), until teardown
         metric_sync.sync_over_replicas(lambda: self.replica_group)
 
@@ -1622,8 +1622,8 @@ class GPipeStrategy(ParallelStrategy):
         self._interrupt.uninstall()
         trainer = self._trainer()
         if trainer is not None and self._mesh is not None:  # their metrics, computed after `fit`, count samples once
-            metric_sync.keep_over(self._mesh.get_group("dp"), trainer.callbacks)  # type: ignore[attr-defined]
-        metric_sync.sync_over_replicas(None)
+            metric_sync.keep_over(trainer.callbacks)  # type: ignore[attr-defined]
+        metric_sync.sync_over_replicas(None, kept=self.replica_group if self._mesh is not None else None)
         if trainer is not None:  # the trainer's callbacks as the user left them
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit

@@ -227,6 +227,39 @@ class OwnHostNoise(nn.Module):
         return x * (1 + self.python.random()) + float(self.numpy.normal()) if self.training else x
 
 
+class Annealed(nn.Module):
+    """A temperature annealed by a call counter, both plain attributes, counted in every call (training or not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.tau = 0, 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.training:
+            self.tau = max(0.3, self.tau * 0.9)
+        return torch.tanh(x / self.tau)
+
+    def kept(self) -> tuple[int, float]:
+        return self.calls, self.tau
+
+
+class RunningCenter(nn.Module):
+    """Centers by a running mean kept in a plain tensor attribute (no buffer), written in place in training."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mean = torch.zeros(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return x - self.mean
+
+    def kept(self) -> Tensor:
+        return self.mean.clone()
+
+
 def host_random_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(

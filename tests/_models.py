@@ -8,7 +8,7 @@ from typing import Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
-from _engine_workers import PythonLayerDrop
+from _engine_workers import Annealed, PythonLayerDrop, RunningCenter
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -35,12 +35,18 @@ class StopGradient(nn.Module):
 
 
 def mlp(
-    dropout: float = 0.0, inplace: bool = False, stop_gradient: bool = False, host_random: bool = False
+    dropout: float = 0.0,
+    inplace: bool = False,
+    stop_gradient: bool = False,
+    host_random: bool = False,
+    python_state: bool = False,
 ) -> nn.Sequential:
     """Seven layers of uneven sizes, so that parameter-count splits are uneven too.
 
     ``host_random``: the two ``Tanh`` are skipped at random, by draws from Python's ``random`` and from NumPy's global
-    generator (:class:`_engine_workers.PythonLayerDrop`, which draws in evaluation too).
+    generator (:class:`_engine_workers.PythonLayerDrop`, which draws in evaluation too). ``python_state``: the ``ReLU``
+    is followed by layers that keep state in plain attributes and change it in their forward
+    (:class:`_engine_workers.Annealed`, :class:`_engine_workers.RunningCenter`).
 
     ``inplace``: eight layers instead, every even one an in-place ``LeakyReLU`` (not idempotent, so one
     applied twice shows), which :data:`INPLACE_BALANCE` puts first on every stage. ``stop_gradient``: a
@@ -61,6 +67,8 @@ def mlp(
     ]
     if host_random:
         layers[1], layers[5] = PythonLayerDrop(layers[1]), PythonLayerDrop(layers[5], numpy=True)
+    if python_state:
+        layers[3] = nn.Sequential(layers[3], Annealed(), RunningCenter(24))
     if dropout:
         layers.insert(2, nn.Dropout(dropout))
         layers.insert(6, nn.Dropout(dropout))
@@ -89,12 +97,13 @@ class Net(L.LightningModule):
         stop_gradient: bool = False,
         detach_output: bool = False,
         host_random: bool = False,
+        python_state: bool = False,
     ):
         super().__init__()
         self.optimizer_name, self.scheduler, self.sync_dist = optimizer, scheduler, sync_dist
         self.detach_output = detach_output  # the head alone learns; the backbone's .grad stays None
         self.stem = nn.Linear(FEATURES, FEATURES) if stem else None
-        self.backbone = mlp(dropout, inplace, stop_gradient, host_random)
+        self.backbone = mlp(dropout, inplace, stop_gradient, host_random, python_state)
         self.head = nn.Sequential(nn.Dropout(head_dropout), nn.Linear(8, CLASSES))
         self.losses: list[float] = []
         self.first_grads: dict[str, torch.Tensor] = {}
@@ -168,6 +177,7 @@ def fit_record(model: Net, trainer: L.Trainer, data: DataLoader, val: Optional[D
         "grads": {k: v.cpu() for k, v in model.first_grads.items()},
         "weights": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "optimized": list(model.optimized),
+        "kept": [m.kept() for m in model.modules() if hasattr(m, "kept")],  # the plain attributes layers keep
     }
 
 

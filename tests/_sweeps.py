@@ -70,12 +70,12 @@ EXTRAS = [
     ),
 ]
 
-#: Dropout in the backbone and in the head, and layers skipped by Python's and NumPy's draws, with a sanity check's
-#: validation batch before training (the layers draw in evaluation mode too): compared across K, not with a run
-#: without the package.
+#: Dropout in the backbone and in the head, layers skipped by Python's and NumPy's draws, and layers that keep state
+#: in plain attributes (a call counter, a running mean), with a sanity check's validation batch before training (the
+#: layers draw and count in evaluation mode too): compared across K, not with a run without the package.
 DROPOUT = Config(
     "dropout",
-    model=(("dropout", 0.3), ("head_dropout", 0.2), ("host_random", True)),
+    model=(("dropout", 0.3), ("head_dropout", 0.2), ("host_random", True), ("python_state", True)),
     strategy=(("chunks", 2),),
     trainer=(("num_sanity_val_steps", 1), ("limit_val_batches", 1)),
 )

@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import _models as M
 import lightning as L
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, ModelPruning, StochasticWeightAveraging
 from torch import nn
 
@@ -116,8 +118,44 @@ def _is_whole(callback: L.Callback) -> bool:
 def sweep(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """Every run on this rank (rank 0 writes the checkpoints), then ModelPruning, which must be refused."""
     results: dict[str, Any] = {run.name: fit(run, directory, world_size) for run in RUNS}
+    results["fit again"] = fit_again(world_size)
     results["pruning"] = refused_pruning(world_size)
     return results
+
+
+class MetricNet(M.Net):
+    """A torchmetrics metric in the module, which the strategy makes sync over the replicas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=M.CLASSES)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.accuracy(self(batch[0]), batch[1])
+        self.log("train_accuracy", self.accuracy)
+        return super().training_step(batch, batch_idx)
+
+
+def fit_again(devices: Optional[int] = None) -> dict[str, Any]:
+    """A fit, then a second fit of the same module with EMA (whose setup deep-copies the module), then a pickle of
+    it: after a pipelined fit the module's metric held the replica group, which neither copies nor pickles."""
+    L.seed_everything(0, verbose=False)
+    model = MetricNet()
+    for callbacks in ([], [EMAWeightAveraging(decay=0.8)]):
+        if devices is None:
+            trainer = L.Trainer(devices=1, callbacks=callbacks, **M.trainer_kwargs(max_steps=3))
+        else:
+            from lightning_gpipe import GPipeStrategy
+
+            trainer = L.Trainer(
+                strategy=GPipeStrategy(chunks=2), devices=devices, callbacks=callbacks, **M.trainer_kwargs(max_steps=3)
+            )
+        trainer.fit(model, M.loader(shuffle=False))
+    pickle.dumps(model)
+    return {
+        "weights": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "accuracy": float(model.accuracy.compute()),  # synced after fit: over the replicas, not the stages
+    }
 
 
 class CopyDuringFit(L.Callback):

@@ -107,13 +107,17 @@ def test_bf16_mixed_precision_tracks_the_one_device_run(stages, pipeline_runs, r
         torch.testing.assert_close(got["weights"][key], value, atol=2e-3, rtol=0)
 
 
-def test_dropout_and_pythons_and_numpys_draws_give_identical_weights_for_one_two_and_three_stages(pipeline_runs):
+def test_dropout_draws_and_layer_attributes_give_identical_weights_for_one_two_and_three_stages(pipeline_runs):
     one = _sweeps.run_config(_sweeps.DROPOUT, devices=1)
     for stages in (2, 3):
         got = pipeline_runs(stages)[0][_sweeps.DROPOUT.name]
         assert got["losses"] == one["losses"]
         for key, value in one["weights"].items():
             assert torch.equal(got["weights"][key], value), (stages, key)
+        # the layers' plain attributes too, back on every rank after the fit
+        for rank_results in pipeline_runs(stages):
+            calls_tau, mean = rank_results[_sweeps.DROPOUT.name]["kept"]
+            assert calls_tau == one["kept"][0] and torch.equal(mean, one["kept"][1]), stages
     # and dropout did act: a run without it learns something else
     plain = pipeline_runs(2)[0]["chunks=2 checkpoint=except_last sgd"]
     assert plain["losses"][1:] != one["losses"][1:]

@@ -107,6 +107,42 @@ def test_buffers_a_forward_writes_are_learned_and_only_those_are_kept_for_the_re
     assert int(pipe[1].calls) == 4 and int(pipe[2].num_batches_tracked) == 4
 
 
+def _stateful() -> nn.Sequential:
+    from _engine_workers import Annealed, RunningCenter
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), Annealed(), nn.Linear(6, 6), RunningCenter(6), nn.Linear(6, 2))
+
+
+def test_plain_attributes_a_forward_writes_are_replayed_in_the_recompute_as_a_pipeline_without_recompute():
+    # a call counter annealing a temperature, and a running mean kept in a tensor attribute written in place. Before,
+    # the recompute computed with the advanced values and advanced them again: 1.5e-2 from checkpoint="never" after
+    # 5 steps in a probe, the counter at 40 against 20
+    def run(checkpoint: str) -> tuple[dict[str, torch.Tensor], tuple, torch.Tensor]:
+        pipe = GPipe(_stateful(), chunks=3, checkpoint=checkpoint)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            optimizer.zero_grad()
+            pipe(torch.randn(7, 4, generator=generator)).square().sum().backward()
+            optimizer.step()
+        return {k: v.clone() for k, v in pipe.state_dict().items()}, pipe[1].kept(), pipe[3].kept()
+
+    (always, annealed, mean), (never, expected_annealed, expected_mean) = run("always"), run("never")
+    for name, value in never.items():
+        assert torch.equal(always[name], value), name
+    assert annealed == expected_annealed and torch.equal(mean, expected_mean)
+    assert annealed[0] == 4 * 3  # once per micro-batch: neither the recompute nor the per-sample check counted
+
+
+def test_the_profile_leaves_the_plain_attributes_a_forward_writes_as_they_were():
+    from lightning_gpipe import profile_layers
+
+    model = _stateful()
+    profile_layers(model, torch.randn(4, 4))
+    assert model[1].kept() == (0, 1.0) and torch.equal(model[3].kept(), torch.zeros(6))
+
+
 def _quantization_aware() -> nn.Sequential:
     """Linear layers prepared for quantization-aware training: fake-quantize modules whose observers write their
     buffers with no new version, and resize ``min_val`` and ``max_val`` from shape (0,) at the first call."""

@@ -133,6 +133,16 @@ def test_ema_validates_with_the_averaged_weights_during_and_after_fit(pipeline, 
         assert got["whole average after validate"], f"rank {rank}: the averaged backbone was not reassembled"
 
 
+def test_a_module_fit_by_the_pipeline_is_deep_copied_by_a_second_fits_averaging_and_pickles(pipeline):
+    # the strategy gave the module's metric the replica group itself: EMA's setup in the second fit failed with
+    # "cannot pickle 'ProcessGroup' object"; the metric now holds a sync function of the package's instead
+    one = W.fit_again()
+    for results in pipeline:
+        got = results["fit again"]
+        _close(got["weights"], one["weights"], "weights after the second fit")
+        assert got["accuracy"] == pytest.approx(one["accuracy"], abs=1e-6)
+
+
 def test_model_pruning_is_refused_at_setup_on_every_rank(pipeline):
     for rank, results in enumerate(pipeline):
         refusal = results["pruning"]

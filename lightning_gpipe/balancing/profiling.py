@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.engine import microbatch, structure
 from lightning_gpipe.engine.checkpoint import restore_buffer
+from lightning_gpipe.engine.forward_attributes import attributes_kept
 from lightning_gpipe.engine.rng import generators_kept, isolated_rng
 from lightning_gpipe.engine.sample_check import probing
 from lightning_gpipe.engine.skip import SkipKey, SkipTracker, find_skips, use_tracker
@@ -143,7 +144,7 @@ def profile_layers(
     pops = {route.key: route.pop_layer for route in find_skips(module) if route.pop_layer != route.stash_layer}
     # Whole sweeps, not repeats of one layer in a row: each layer then meets the caches and the
     # allocator in the state the layers before it leave, as in training. Sweep 0 counts and warms up.
-    with isolated_rng(device, everything=True), generators_kept(module), torch.enable_grad():
+    with isolated_rng(device, everything=True), generators_kept(module), attributes_kept(module), torch.enable_grad():
         for sweep in range(0 if count else 1, 1 + repeats):
             # a copy: an in-place first layer would write the sample, which every sweep starts from
             x = microbatch.map_tensors(

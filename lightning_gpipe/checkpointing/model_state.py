@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.forward_attributes import layer_attributes
 from lightning_gpipe.engine.partition import layer_names
 from lightning_gpipe.engine.pipe import GPipe
 from lightning_gpipe.engine.stage_copy import Gather, StageCopy, retie
@@ -201,8 +202,9 @@ def _fill(
     """``full`` with the layers that are not in ``local`` given storage and every stage's values; collective.
 
     Besides the tensors and extra state, each layer comes back with what its stage set during the run: which
-    parameters require gradients (a layer frozen or unfrozen during ``fit``) and which modules are in training
-    mode (one put in eval mode), as a one-device module holds them after ``fit``.
+    parameters require gradients (a layer frozen or unfrozen during ``fit``), which modules are in training
+    mode (one put in eval mode) and the plain-data attributes of its own modules (a call counter), as a one-device
+    module holds them after ``fit``.
     """
     # every name of a shared tensor, so that each place of a tie gets filled (then `retie` joins them)
     params = list(own_layers.named_parameters(remove_duplicate=False))
@@ -213,9 +215,12 @@ def _fill(
         "state": state,
         "requires_grad": {name: p.requires_grad for name, p in params},
         "training": {name: m.training for name, m in own_layers.named_modules(remove_duplicate=False) if name},
+        "attributes": layer_attributes(own_layers),  # a call counter, a running value kept in a plain attribute
     }
     parts = gather(own, True) or []
-    values, requires_grad, training = ({k: v for part in parts for k, v in part[kind].items()} for kind in own)
+    values, requires_grad, training, attributes = (
+        {k: v for part in parts for k, v in part[kind].items()} for kind in own
+    )
     indices = {i for i, _ in local}
     with torch.no_grad():
         for index, (layer_name, layer) in enumerate(zip(layer_names(full), full)):
@@ -234,7 +239,9 @@ def _fill(
                     raise RuntimeError(f"No stage sent {key!r} while reassembling the backbone.")
                 module.set_extra_state(values[key])
             for name, module in layer.named_modules(remove_duplicate=False):
-                module.training = training.get(f"{layer_name}.{name}" if name else layer_name, module.training)
+                path = f"{layer_name}.{name}" if name else layer_name
+                module.training = training.get(path, module.training)
+                vars(module).update(attributes.get(path, {}))
     return full
 
 

@@ -12,15 +12,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.forward_attributes import AttributeWrites
 from lightning_gpipe.engine.rng import layer_generators
 
 __all__ = [
     "CHECKPOINT_MODES",
     "ForwardWrites",
+    "Written",
     "check_checkpoint_mode",
     "checkpointed",
     "kept_count",
@@ -37,6 +40,9 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 KEEP = "keep:"
 
 _local = threading.local()
+
+#: What a checkpointed micro-batch's forward wrote, as :meth:`ForwardWrites.before` keeps it for the recompute.
+Written = dict[Any, Any]
 
 
 def keep(count: int) -> str:
@@ -169,7 +175,8 @@ class ForwardWrites:
     been watched, every buffer is copied (once); after it, only the written ones. A buffer first written in a
     later call (a layer that writes every N steps) is learned then: in that one call its recompute starts from
     its current value, and it is still put back afterwards. A ``torch.Generator`` a layer holds (noise drawn from a
-    generator of its own) is replayed the same way: the recompute draws what the forward drew.
+    generator of its own) is replayed the same way: the recompute draws what the forward drew; and so are the plain
+    attributes a forward writes (a call counter, a running mean kept as a tensor attribute).
     """
 
     def __init__(self, stage: nn.Module) -> None:
@@ -184,6 +191,7 @@ class ForwardWrites:
             if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
         }
         self._learned = False
+        self._attributes = AttributeWrites(stage)  # the plain attributes a forward writes: replayed alike
 
     def _buffer(self, i: int) -> Tensor:
         module, name = self._slots[i]
@@ -192,18 +200,21 @@ class ForwardWrites:
         return buffer
 
     @contextmanager
-    def before(self) -> Iterator[dict[int, Tensor]]:
+    def before(self) -> Iterator[Written]:
         """Around the forward of a checkpointed micro-batch: yields the written buffers' values before it.
 
         The dict is filled on entry (every buffer the first time) and, on exit, kept to the buffers the
-        forward wrote; it is what :meth:`replayed` needs for this micro-batch.
+        forward wrote, with the layers' own generators' states and, under ``"attributes"``, the plain
+        attributes the forward wrote (:class:`~lightning_gpipe.engine.forward_attributes.AttributeWrites`);
+        it is what :meth:`replayed` needs for this micro-batch.
         """
         candidates = sorted(self._written) if self._learned else range(len(self._slots))
-        values = {i: self._buffer(i).detach().clone() for i in candidates}
+        values: Written = {i: self._buffer(i).detach().clone() for i in candidates}
         tensors = [self._buffer(i) for i in range(len(self._slots))]
         versions = [t._version for t in tensors]
         states = {-1 - j: g.get_state() for j, g in enumerate(self._generators)}  # negative keys: the generators
-        yield values
+        with self._attributes.before() as attributes:
+            yield values
         for i, (t, version) in enumerate(zip(tensors, versions)):
             now = self._buffer(i)
             if i in self._written:
@@ -214,16 +225,20 @@ class ForwardWrites:
         for i in [i for i in values if i not in self._written]:
             del values[i]
         values.update(states)
+        if attributes:
+            values["attributes"] = attributes
 
     @contextmanager
-    def replayed(self, values: dict[int, Tensor]) -> Iterator[None]:
+    def replayed(self, values: Written) -> Iterator[None]:
         """The recompute: the buffers hold ``values`` (from :meth:`before`) inside, and what they held before after."""
-        current = {i: self._buffer(i).detach().clone() for i in sorted(self._written)}
+        current: Written = {i: self._buffer(i).detach().clone() for i in sorted(self._written)}
         current.update({-1 - j: g.get_state() for j, g in enumerate(self._generators)})
-        for i, value in values.items():
+        kept = {key: value for key, value in values.items() if key != "attributes"}
+        for i, value in kept.items():
             self._put(i, value)
         try:
-            yield
+            with self._attributes.replayed(values.get("attributes", {})):
+                yield
         finally:
             for i, value in current.items():
                 self._put(i, value)

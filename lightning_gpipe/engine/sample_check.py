@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.forward_attributes import attributes_kept
 from lightning_gpipe.engine.layer_errors import note_layer_error
 from lightning_gpipe.engine.microbatch import map_tensors, tensors
 from lightning_gpipe.engine.rng import generators_kept, layer_generators
@@ -169,7 +170,8 @@ def probing(modules: nn.Module) -> Iterator[None]:
         module._buffers[name] = buffer.detach().clone()
     try:
         modules.eval()
-        with torch.no_grad(), generators_kept(modules):  # a layer's own generator draws no probe either
+        # a layer's own generator draws no probe either, and a call counter in a plain attribute counts none
+        with torch.no_grad(), generators_kept(modules), attributes_kept(modules):
             yield
     finally:
         for module, name, buffer in buffers:
@@ -208,7 +210,7 @@ def find_mixing(
             for generator, state in generators:
                 generator.set_state(state)
             seed_layer(index)
-            with use_tracker(tracker):
+            with use_tracker(tracker), attributes_kept(layer):  # and from the same plain attributes
                 try:
                     outputs.append(layer(value))
                 except Exception as error:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.batchnorm import micro_batches
 from lightning_gpipe.engine.channels import Channels
-from lightning_gpipe.engine.checkpoint import ForwardWrites, check_checkpoint_mode, checkpointed, recomputing
+from lightning_gpipe.engine.checkpoint import ForwardWrites, Written, check_checkpoint_mode, checkpointed, recomputing
 from lightning_gpipe.engine.deadlock import blocked
 from lightning_gpipe.engine.layer_errors import note_layer_error
 from lightning_gpipe.engine.lockstep import check_message
@@ -71,7 +71,7 @@ class _Run:
     in_grad: list[bool] = field(default_factory=list)  # whether the previous stage waits for input grads
     out_grad: list[bool] = field(default_factory=list)  # whether the next stage sends output grads
     sizes: list[int] = field(default_factory=list)  # micro-batch sizes: min(chunks, batch size) of them
-    buffers: list[Optional[dict[int, Tensor]]] = field(default_factory=list)  # checkpointed: written buffers before
+    buffers: list[Optional[Written]] = field(default_factory=list)  # checkpointed: what its forward wrote, before
     skips_in: list[Optional[Bundles]] = field(default_factory=list)  # skips received (leaves), by source stage
     skip_in_grad: list[dict[int, bool]] = field(default_factory=list)  # which sources wait for the skips' gradients
     skips_out: list[Optional[Bundles]] = field(default_factory=list)  # skips sent, by destination; None: checkpointed
@@ -340,7 +340,7 @@ class StageRunner:
                 if i < 2 and self._sample_check_due(sizes):
                     self._check_per_sample(x, self.skips.keyed(received), sizes, i, call)
                 recompute = train and checkpointed(self.checkpoint, i, count)
-                writes: AbstractContextManager[dict[int, Tensor]] = (
+                writes: AbstractContextManager[Written] = (
                     self._writes.before() if recompute else nullcontext({})  # what the recompute must replay
                 )
                 layers_x, layers_received, watched = (
