@@ -281,6 +281,16 @@ def test_gpipe_needs_a_sequential():
         GPipe(nn.Linear(2, 2))
 
 
+def test_a_torchgpipe_call_in_one_process_is_refused_naming_one_process_per_stage():
+    # torchgpipe's GPipe(model, balance=[2, 1], devices=[...]) puts every stage in one process; this GPipe runs one
+    # stage per process, and without torch.distributed the balance failed with "the pipeline has 1 stages"
+    layers = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"no `devices` list .* one stage per process .*torchrun --nproc-per-node K"):
+        GPipe(layers, balance=[2, 1], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match=r"`balance=\[2, 1\]` asks for 2 stages, but torch.distributed is not init"):
+        GPipe(layers, balance=[2, 1], chunks=2)
+
+
 def test_pipeline_of_one_matches_plain_module_under_no_grad_and_with_grad():
     x = torch.randn(12, 64)
     module = _deep()

@@ -23,6 +23,7 @@ from lightning_gpipe.engine.initial_state import start_from_rank_zero
 from lightning_gpipe.engine.lockstep import stray_message_error
 from lightning_gpipe.engine.partition import (
     balance_by_params,
+    check_balance_entries,
     layer_names,
     layer_span,
     stage_bounds,
@@ -271,6 +272,7 @@ class GPipe(nn.Module):
             pipelines (data-parallel replicas), each stage averages its gradients over its replicas:
             call ``sync_gradients()`` after ``backward`` (the Lightning strategy does).
         device: this stage's device; by default the CPU.
+        devices: torchgpipe's list of devices, refused with the way to run one stage per process instead.
         seed: the root of the random streams (dropout); by default the first stage's ``torch.initial_seed()``.
         timeout: seconds a stage waits for a message before it gives up.
         board: where failures are published; by default one on the default process group's store.
@@ -302,8 +304,17 @@ class GPipe(nn.Module):
         mesh: Optional[DeviceMesh] = None,
         split_backward: bool = False,
         check_per_sample: bool = True,
+        devices: Optional[Sequence[Any]] = None,
     ) -> None:
         super().__init__()
+        if devices is not None:  # torchgpipe's argument: a script ported from it meets this first
+            raise TypeError(
+                f"GPipe takes no `devices` list (got {devices!r}): unlike torchgpipe, which puts every stage on its "
+                "own device in one process, it runs one stage per process over torch.distributed. Start one process "
+                "per stage (`torchrun --nproc-per-node K script.py`), call `torch.distributed.init_process_group()` "
+                "in each, and give each process its own `device=` (with Lightning, `Trainer(strategy='gpipe', "
+                "devices=K)` does it all)."
+            )
         self._partial_state = 0  # > 0 inside `stage_state()`: state_dict() may return this stage's part
         self._all_layers = 0  # > 0 inside `all_layers()`: other stages' layers read as their `meta` copies
         #: what ``state_dict()`` outside :meth:`stage_state` tells the caller to do instead (an owner such as the
@@ -334,6 +345,14 @@ class GPipe(nn.Module):
         refuse_sync_batch_norm(module, stages)
         if balance is None:
             balance = balance_by_params(module, stages)
+        elif not distributed.is_distributed() and len(check_balance_entries(balance)) > 1:
+            raise ValueError(
+                f"`balance={list(balance)}` asks for {len(list(balance))} stages, but torch.distributed is not "
+                "initialized: this process is the whole pipeline. GPipe runs one stage per process, so start one "
+                "process per stage (`torchrun --nproc-per-node K script.py`, or `lightning_gpipe.launch.run_processes`)"
+                " and call `torch.distributed.init_process_group()` in each before building the GPipe; with "
+                "Lightning, `Trainer(strategy='gpipe', devices=K)` does both."
+            )
         self.balance = validate_balance(balance, len(module), stages)
         self.skips = SkipRoutes(find_skips(module), self.balance)  # checked before any group is made
         self.layout, self.stage = layout, layout.stage_of(rank)
