@@ -160,12 +160,13 @@ class HostDraws:
     drawn before, and its recompute drew another number than its forward, so a checkpointed micro-batch
     back-propagated through another function than the one it ran: losses 0.17-0.33 apart between K and checkpoint
     modes over 6 steps in a probe, without a word. So a stage's first call in each mode (its layers' ``training``
-    flags) seeds
-    both generators per layer like torch's (:func:`seed_host`, keyed alike) and watches which layers draw; later
-    calls seed them only on a stage where some layer drew. Seeding costs about 5 us per layer and micro-batch on
-    CPU-2 (23% of a step of 24 layers 64 wide, M=8), which every other stage is spared; they only check, once per
-    fill or drain, that nothing drew (:meth:`~lightning_gpipe.engine.stage.StageRunner`), and fail naming the stage
-    where something did.
+    flags) seeds both generators per layer like torch's (:func:`seed_host`, keyed alike) and watches which layers
+    draw; later calls seed them only on a stage where some layer drew. Seeding costs about 5 us per layer and
+    micro-batch on CPU-2 (23% of a step of 24 layers 64 wide, M=8), which every other stage is spared; those check
+    once per fill or drain that nothing drew (:func:`host_streams`). Where something did, a layer may have started
+    drawing only now (its draws in that call came from the process's own state) or another thread of the process
+    drew meanwhile (a logger's retry jitter: nothing is wrong). Which one cannot be told apart, so rather than end
+    the run the stage warns, saying both, and seeds per layer from then on (:meth:`draws_from_now_on`).
     """
 
     def __init__(self) -> None:
@@ -187,27 +188,33 @@ class HostDraws:
         """The layers (by index) seen drawing in this mode's first call."""
         return self._drawing.get(mode, [])
 
+    def draws_from_now_on(self, mode: tuple[bool, ...], layers: list[int]) -> bool:
+        """Seed every one of ``layers`` per layer in this mode from now on; whether that is news (say it once)."""
+        news = not self.keyed(mode)
+        self._drawing[mode] = sorted(set(layers))
+        return news
+
 
 @contextmanager
-def host_streams(keyed: bool, drew: Callable[[], str]) -> Iterator[None]:
+def host_streams(keyed: bool, drew: Callable[[], None]) -> Iterator[None]:
     """Around a stage's fill, or a drain that recomputes: Python's and NumPy's generators as the caller left them.
 
-    ``keyed``: the layers seed them (:func:`seed_host`), and they are put back afterwards. Otherwise nothing may
-    draw from them: where something did, this raises ``RuntimeError(drew())`` (see :class:`HostDraws`). Read once
-    around the whole call rather than per micro-batch, as :func:`isolated_rng` keeps torch's: nothing else draws
-    from them between the micro-batches of one call.
+    ``keyed``: the layers seed them (:func:`seed_host`), and they are put back afterwards. Otherwise nothing should
+    draw from them: where something did, ``drew()`` is called and they are left as they are (another thread of the
+    process may have drawn: its draws stand, see :class:`HostDraws`). Read once around the whole call rather than
+    per micro-batch, as :func:`isolated_rng` keeps torch's: no layer draws from them between micro-batches.
     """
     before = host_state()
     try:
         yield
     except BaseException:
-        set_host_state(before)
+        if keyed:
+            set_host_state(before)
         raise
     if keyed:
         set_host_state(before)
     elif not same_host_state(before, host_state()):
-        set_host_state(before)
-        raise RuntimeError(drew())
+        drew()
 
 
 class LayerGenerator:

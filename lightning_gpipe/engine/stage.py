@@ -271,19 +271,23 @@ class StageRunner:
         """The layers' ``training`` flags: what :class:`~lightning_gpipe.engine.rng.HostDraws` learns per."""
         return tuple(layer.training for _, layer in self.layers)
 
-    def _drew(self, run: _Run, flags: tuple[bool, ...]) -> str:
-        """The error where this stage's layers drew from Python's or NumPy's global generator unseeded."""
+    def _drew(self, run: _Run, flags: tuple[bool, ...]) -> None:
+        """Python's or NumPy's global generator moved during a call that did not seed them (see
+        :class:`~lightning_gpipe.engine.rng.HostDraws`): seed them per layer from now on, and say so once."""
+        if not self._host.draws_from_now_on(flags, [index for index, _ in self.layers]):
+            return
         mode = "training" if all(flags) else "evaluation" if not any(flags) else "this mix of training and evaluation"
-        return (
-            f"Stage {self.stage}'s layers ({self._describe_layer(self.layers[0][0])} to "
-            f"{self._describe_layer(self.layers[-1][0])}) drew from Python's `random` or NumPy's global generator in "
-            f"pipeline call {run.call}, though none did in the stage's first call in {mode} mode, where the pipeline "
-            "looks for such layers. It seeds those generators per (seed, call, micro-batch, layer), as it does "
-            "torch's, only on stages whose layers drew in their first call; so here they drew from this process's "
-            "own state: with another number of stages they would have drawn other numbers, and a checkpointed "
-            "micro-batch's recompute others again. Draw from torch's generators (`torch.rand`, `torch.bernoulli`), "
-            "which the pipeline seeds for every layer and call, or from a generator the layer holds "
-            "(`random.Random(seed)`, `np.random.default_rng(seed)`), which it replays in the recompute."
+        warnings.warn(
+            f"Python's `random` or NumPy's global generator was drawn from while stage {self.stage} ran pipeline call "
+            f"{run.call}, though none of its layers ({self._describe_layer(self.layers[0][0])} to "
+            f"{self._describe_layer(self.layers[-1][0])}) drew in the stage's first call in {mode} mode, where the "
+            "pipeline looks for such layers. If another thread of this process drew (a logger's), nothing is wrong. "
+            "If a layer started drawing, its draws in this call came from this process's own state, so they would "
+            "differ with another number of stages, and a checkpointed micro-batch's recompute drew others again. "
+            "From now on the stage seeds both per (seed, call, micro-batch, layer), as it seeds torch's generators "
+            "(about 5 us per layer and micro-batch). A layer that draws from torch's generators (`torch.rand`), or "
+            "from one it holds (`random.Random(seed)`), is keyed from its first call.",
+            stacklevel=2,
         )
 
     def _describe_layer(self, index: int) -> str:
@@ -697,7 +701,9 @@ class _Bridge(torch.autograd.Function):
         try:
             recomputes = any(buffers is not None for buffers in run.buffers)  # which run the layers again
             streams = (
-                host_streams(run.host_keyed, partial(ctx.runner._drew, run, True)) if recomputes else nullcontext()
+                host_streams(run.host_keyed, partial(ctx.runner._drew, run, ctx.runner._mode()))
+                if recomputes
+                else nullcontext()
             )
             with ctx.runner._span("drain"), streams:
                 input_grads = ctx.runner._drain(run, grads, whole) or [None] * ctx.num_leaves
