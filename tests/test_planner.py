@@ -377,10 +377,15 @@ class SlowSpell(nn.Module):
     def __init__(self, slow: set[int]) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(1))
-        self.calls, self.slow = 0, slow
+        # counted in a list, which the profile leaves as it is (a plain counter it puts back when it ends)
+        self.counted, self.slow = [0], slow
+
+    @property
+    def calls(self) -> int:
+        return self.counted[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.counted[0] += 1
         time.sleep(0.05 if self.calls in self.slow else 0.002)
         return x * self.w
 
