@@ -9,6 +9,7 @@ the model, the step, collectives, data, checkpoints, failure and teardown.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -1483,8 +1484,26 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read a full file (``weights_only=True`` unless asked otherwise) or this stage's part of a sharded one."""
-        path = str(checkpoint_path)
+        """Read a full file (``weights_only=True`` unless asked otherwise) or this stage's part of a sharded one: global
+        rank 0's path on every rank (collective).
+
+        Lightning resolves ``ckpt_path`` on each rank: ``"best"`` is each rank's own ``ModelCheckpoint`` view, which
+        differs between data-parallel replicas where the monitored value is not synced over them (``self.log``
+        without ``sync_dist=True``). Under DDP the model then still holds rank 0's weights (DDP broadcasts them when
+        it wraps the restored model); here each stage restores after setup, so replicas loaded different files and
+        trained or evaluated apart, or the stages of one pipeline could mix two files. Every rank reads rank 0's
+        file, as DDP's weights come out, and a rank whose path differed warns.
+        """
+        path = self.broadcast(str(checkpoint_path))
+        if path != str(checkpoint_path):  # on this rank only: rank 0's own path is the one loaded
+            warnings.warn(
+                f"Rank {self.global_rank} was given the checkpoint {str(checkpoint_path)!r} and rank 0 {path!r}: every "
+                "rank loads rank 0's, as DDP's model holds rank 0's weights. A `ckpt_path='best'` differs between "
+                "ranks where the monitored value differs between the data-parallel replicas: log it with "
+                "`sync_dist=True` so that every rank picks the same best checkpoint.",
+                stacklevel=2,
+            )
+        checkpoint_path = path
         self._saved_model_keys = None
         if is_sharded(path):
             checkpoint = load_sharded(path, self._stage_selector())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import _models as M
@@ -89,6 +90,15 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             gpipe(state_dict_type=kind), 4, os.path.join(where, "step=3.ckpt"), 8, optimizer="adam", dropout=0.2
         )
     out["files"] = {kind: sorted(os.listdir(os.path.join(directory, kind))) for kind in ("full", "sharded")}
+    # replica 1 is given another file (as `ckpt_path="best"` gives where each replica's monitored value is its own):
+    # every rank must load rank 0's, as DDP's model holds rank 0's weights, or the replicas would train apart
+    other = os.path.join(directory, "other")
+    _fit(gpipe(), 4, max_steps=2, save_every=2, directory=other, optimizer="adam", dropout=0.2)
+    given = os.path.join(directory, "full", "step=3.ckpt") if rank < 2 else os.path.join(other, "step=2.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["resumed, replica 1 given another file"] = _resume(gpipe(), 4, given, 8, optimizer="adam", dropout=0.2)
+    out["other file warnings"] = [str(w.message) for w in caught if "rank loads rank 0's" in str(w.message)]
     return out
 
 

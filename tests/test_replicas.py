@@ -116,3 +116,13 @@ def test_checkpoint_and_exact_resume_in_the_2x2_layout(runs, kind):
             assert held == set(straight)  # the two stages of a replica hold the whole model between them
     files = runs[0]["files"][kind]
     assert files == ["step=3.ckpt"]
+
+
+def test_replicas_given_different_checkpoint_files_all_load_rank_zeros_as_ddps_model_holds(runs):
+    # before, each replica restored its own file after setup and the replicas trained apart from then on
+    for rank, results in enumerate(runs):
+        _close(results["resumed, replica 1 given another file"]["weights"], runs[0]["resumed full"]["weights"])
+        warned = results["other file warnings"]
+        assert len(warned) == (1 if rank >= 2 else 0), (rank, warned)
+        if warned:
+            assert f"Rank {rank} was given the checkpoint" in warned[0] and "sync_dist=True" in warned[0]
