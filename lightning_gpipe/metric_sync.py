@@ -106,19 +106,13 @@ def keep_over(holders: Iterable[object]) -> None:
 
 
 def replica_gather(result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
-    """The ``dist_sync_fn`` :func:`keep_over` gives: where no group is given, over this stage's replicas during a
-    strategy's run, and afterwards over those of the last run in this process."""
-    gather = _torchmetrics_gather if _torchmetrics_gather is not None else gather_all_tensors
-    if group is None:
-        if _replicas is not None:
-            group = _replicas()
-        elif _kept is not None:
-            group = _kept[0]
-        else:  # no run in this process (a copy unpickled elsewhere): torchmetrics' own sync
-            return gather(result)
-        if group is None:
+    """The ``dist_sync_fn`` :func:`keep_over` gives: :func:`_gather` during a strategy's run, and afterwards, where no
+    group is given, over the replicas of the last run in this process."""
+    if group is None and _replicas is None and _kept is not None:
+        if _kept[0] is None:
             return [result]  # the only replica of this stage: nothing to sync with
-    return gather(result, group=group)
+        group = _kept[0]
+    return _gather(result, group)
 
 
 def _metrics_in(values: list[Any], depth: int) -> Iterator[torchmetrics.Metric]:
@@ -135,10 +129,10 @@ def _metrics_in(values: list[Any], depth: int) -> Iterator[torchmetrics.Metric]:
 
 def _gather(result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
     """torchmetrics' ``gather_all_tensors``, over this stage's replicas where no group was given during a fit."""
-    assert _torchmetrics_gather is not None  # set with the routing
+    gather = _torchmetrics_gather or gather_all_tensors  # unrouted: a metric of replica_gather unpickled elsewhere
     if group is None and _replicas is not None:
         replicas = _replicas()
         if replicas is None:
             return [result]  # the only replica of this stage: nothing to sync with
         group = replicas
-    return _torchmetrics_gather(result, group=group)
+    return gather(result, group=group)

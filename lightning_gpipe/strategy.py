@@ -1642,7 +1642,7 @@ class GPipeStrategy(ParallelStrategy):
         trainer = self._trainer()
         if trainer is not None and self._mesh is not None:  # their metrics, computed after `fit`, count samples once
             metric_sync.keep_over(trainer.callbacks)  # type: ignore[attr-defined]
-        metric_sync.sync_over_replicas(None, kept=self.replica_group if self._mesh is not None else None)
+        metric_sync.sync_over_replicas(None, kept=self.replica_group)
         if trainer is not None:  # the trainer's callbacks as the user left them
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit

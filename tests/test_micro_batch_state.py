@@ -3,6 +3,8 @@ tensor without the batch dimension is refused at a stage boundary."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import _state_workers as W
 import pytest
 import torch
@@ -133,6 +135,53 @@ def test_plain_attributes_a_forward_writes_are_replayed_in_the_recompute_as_a_pi
         assert torch.equal(always[name], value), name
     assert annealed == expected_annealed and torch.equal(mean, expected_mean)
     assert annealed[0] == 4 * 3  # once per micro-batch: neither the recompute nor the per-sample check counted
+
+
+class RunningScale(nn.Module):
+    """Scales by a running mean kept in a plain tensor attribute, written in place and saved by the product's graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.ones(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.scale.mul_(0.9).add_(0.1 * x.detach().abs().mean(0))
+        return x * self.scale
+
+
+def test_a_tensor_attribute_the_recomputed_graph_holds_is_put_back_without_a_new_version_as_one_device_trains():
+    # putting the attribute back after the recompute bumped its version, and the recomputed graph, which holds it
+    # for the product's backward, was refused: "modified by an inplace operation"
+    def run(checkpoint: Optional[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(4, 4), RunningScale(), nn.Linear(4, 2))
+        model = layers if checkpoint is None else GPipe(layers, chunks=1, checkpoint=checkpoint)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(6, 4, generator=generator)).square().sum().backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()], layers[1].scale.clone()
+
+    one_device = run(None)
+    for checkpoint in ("always", "never"):
+        weights, scale = run(checkpoint)
+        assert all(torch.equal(a, b) for a, b in zip(weights, one_device[0])), checkpoint
+        assert torch.equal(scale, one_device[1]), checkpoint
+
+
+def test_the_checks_copies_leave_a_tensor_attribute_itself_unwritten_with_its_version():
+    from lightning_gpipe.engine.forward_attributes import attributes_kept
+
+    layer = RunningScale()
+    original, version = layer.scale, layer.scale._version
+    with attributes_kept(layer):
+        layer(torch.ones(3, 4))
+        layer.made = 1
+    assert layer.scale is original and original._version == version and torch.equal(original, torch.ones(4))
+    assert not hasattr(layer, "made")
 
 
 def test_the_profile_leaves_the_plain_attributes_a_forward_writes_as_they_were():

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 __all__ = ["AttributeWrites", "attributes_kept", "layer_attributes"]
@@ -112,8 +111,9 @@ class AttributeWrites:
             and isinstance(value, Tensor)
             and (now.shape, now.dtype, now.device) == (value.shape, value.dtype, value.device)
         ):
-            with torch.no_grad():
-                now.copy_(value)
+            # through `.data`, as `restore_buffer` writes: a graph may hold the tensor (`x * self.scale`, recomputed
+            # just before), and a write that bumped its version made autograd reject that graph
+            now.data.copy_(value)
         else:
             attributes[name] = value
 
@@ -121,28 +121,28 @@ class AttributeWrites:
 @contextmanager
 def attributes_kept(module: nn.Module) -> Iterator[None]:
     """Inside, the forwards of ``module``'s layers may write their plain attributes; afterwards they hold what they
-    held before (tensors by value, in place). For the runs that are no training step: the balance profile and the
-    per-sample check, where a call counter would otherwise count their extra calls, and only on the rank that made
-    them (the profile runs on global rank 0), so that the stages' layers would start apart from one device's."""
+    held before. For the runs that are no training step: the balance profile and the per-sample check, where a call
+    counter would otherwise count their extra calls, and only on the rank that made them (the profile runs on global
+    rank 0), so that the stages' layers would start apart from one device's.
+
+    Tensor attributes are copies inside, and the originals are bound again afterwards, as
+    :func:`~lightning_gpipe.engine.sample_check.probing` does with buffers: an original is never written, so nothing
+    that holds it (a graph of the call under way, a tensor that shares its storage) sees a write or a new version.
+    """
     watched = _watched(module)
-    saved = [
-        {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in vars(m).items() if k not in _MACHINERY}
-        for m in watched
-    ]
+    saved = [{k: v for k, v in vars(m).items() if k not in _MACHINERY} for m in watched]
+    for m, attributes in zip(watched, saved):
+        for k, v in attributes.items():
+            if isinstance(v, Tensor):
+                vars(m)[k] = v.detach().clone().requires_grad_(v.requires_grad)
     try:
         yield
     finally:
         for m, attributes in zip(watched, saved):
             now = vars(m)
-            for k in [k for k in now if k not in _MACHINERY and k not in attributes]:
+            for k in [k for k in now if k not in _MACHINERY and k not in attributes]:  # made inside
                 del now[k]
-            for k, value in attributes.items():
-                current = now.get(k, _MISSING)
-                if isinstance(value, Tensor) and isinstance(current, Tensor) and current.shape == value.shape:
-                    with torch.no_grad():
-                        current.copy_(value)
-                else:
-                    now[k] = value
+            now.update(attributes)
 
 
 def _plain(value: Any, depth: int = 0) -> bool:

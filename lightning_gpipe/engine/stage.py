@@ -254,7 +254,7 @@ class StageRunner:
                 except Exception as error:
                     note_layer_error(error, self._describe_layer(index), micro, given)
                     raise
-                if seeded is not None and drawing is not None and not same_host_state(seeded, host_state()):
+                if drawing is not None and seeded is not None and not same_host_state(seeded, host_state()):
                     drawing.append(index)
         leaving = self.skips.outgoing(tracker, self._describe_layer)
         try:
@@ -320,8 +320,8 @@ class StageRunner:
         outputs: list[tuple[Tensor, ...]] = []
         output_grad: dict[bool, list[list[bool]]] = {True: [], False: []}  # by whether the flags were seen
         structures: list[Structure] = []
-        # a DeferredBatchNorm commits after the last micro-batch of this call; the layers seed Python's and NumPy's
-        # generators (see seed_layer), which the caller gets back as they were
+        # a DeferredBatchNorm commits after the last micro-batch of this call; Python's and NumPy's generators are
+        # seeded per layer where this stage's layers draw from them, and the caller gets them back (rng.HostDraws)
         mode = self._mode()
         run.host_keyed = self._host.keyed(mode)
         drawing: Optional[list[int]] = [] if self._host.learning(mode) else None  # watched on micro-batch 0
