@@ -109,6 +109,16 @@ def test_buffers_a_forward_writes_are_learned_and_only_those_are_kept_for_the_re
     assert int(pipe[1].calls) == 4 and int(pipe[2].num_batches_tracked) == 4
 
 
+def _train(model: nn.Module, steps: int, batch: int, features: int, lr: float) -> None:
+    """``steps`` of SGD on the squared output, on the same random batches every time."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(batch, features, generator=generator)).square().sum().backward()
+        optimizer.step()
+
+
 def _stateful() -> nn.Sequential:
     from _engine_workers import Annealed, RunningCenter
 
@@ -122,12 +132,7 @@ def test_plain_attributes_a_forward_writes_are_replayed_in_the_recompute_as_a_pi
     # 5 steps in a probe, the counter at 40 against 20
     def run(checkpoint: str) -> tuple[dict[str, torch.Tensor], tuple, torch.Tensor]:
         pipe = GPipe(_stateful(), chunks=3, checkpoint=checkpoint)
-        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-        generator = torch.Generator().manual_seed(1)
-        for _ in range(4):
-            optimizer.zero_grad()
-            pipe(torch.randn(7, 4, generator=generator)).square().sum().backward()
-            optimizer.step()
+        _train(pipe, steps=4, batch=7, features=4, lr=0.5)
         return {k: v.clone() for k, v in pipe.state_dict().items()}, pipe[1].kept(), pipe[3].kept()
 
     (always, annealed, mean), (never, expected_annealed, expected_mean) = run("always"), run("never")
@@ -157,12 +162,7 @@ def test_a_tensor_attribute_the_recomputed_graph_holds_is_put_back_without_a_new
         torch.manual_seed(0)
         layers = nn.Sequential(nn.Linear(4, 4), RunningScale(), nn.Linear(4, 2))
         model = layers if checkpoint is None else GPipe(layers, chunks=1, checkpoint=checkpoint)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        generator = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            optimizer.zero_grad()
-            model(torch.randn(6, 4, generator=generator)).square().sum().backward()
-            optimizer.step()
+        _train(model, steps=3, batch=6, features=4, lr=0.1)
         return [p.detach().clone() for p in model.parameters()], layers[1].scale.clone()
 
     one_device = run(None)
