@@ -7,6 +7,7 @@ monitor and the checkpoints use Lightning's public API everywhere else.
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import signal
 import threading
@@ -44,6 +45,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
 from lightning_gpipe._subclass import copy_as
+from lightning_gpipe.checkpointing import sharded_leftover
 from lightning_gpipe.checkpointing.files import atomic_write
 from lightning_gpipe.checkpointing.model_state import meta_state_allowed
 from lightning_gpipe.engine.failure import exit_without_finalizers
@@ -161,6 +163,9 @@ class MainProcessLauncher(_MultiProcessingLauncher):
         module.load_state_dict({k: v for k, v in weights.items() if k not in set(meta)}, strict=False)
         self._strategy.checkpoint_io.remove_checkpoint(path)
         if meta:
+            backbone = operator.attrgetter(getattr(self._strategy, "backbone", "backbone"))(module)
+            if isinstance(backbone, nn.Sequential):  # a later run on this copy is refused, naming why
+                sharded_leftover.leave_in_main_process(backbone)
             rank_zero_warn(
                 f"state_dict_type='sharded': the model in the main process holds only the first stage's trained "
                 f"layers; {len(meta)} tensors of the other stages are on the meta device. Load the whole model from "

@@ -66,7 +66,7 @@ from lightning_gpipe.balancing.sample import (
     described,
     sample_micro_batch,
 )
-from lightning_gpipe.checkpointing import model_state, optim_state
+from lightning_gpipe.checkpointing import model_state, optim_state, sharded_leftover
 from lightning_gpipe.checkpointing.files import (
     is_sharded,
     load_sharded,
@@ -542,8 +542,14 @@ class GPipeStrategy(ParallelStrategy):
                 f"The pipeline has {layout.pipe_size} stages but `{self.backbone}` has only {len(sequential)} layers; "
                 f"every stage needs at least one layer. Use at most {len(sequential)} devices per pipeline."
             )
-        planned = self._plan(sequential, layout.pipe_size) if AUTO in self.requested else None
-        balance = planned if planned is not None else self._choose_balance(sequential, layout.pipe_size)
+        left = sharded_leftover.continue_from(
+            sequential, self.backbone, layout.pipe_size, layout.stage_of(self.global_rank), self.requested[0]
+        )
+        if left is not None:  # each process holds its stage of a sharded run: no split can be chosen anew
+            balance = self._go_on_from(left)
+        else:
+            planned = self._plan(sequential, layout.pipe_size) if AUTO in self.requested else None
+            balance = planned if planned is not None else self._choose_balance(sequential, layout.pipe_size)
         if self.deferred_batch_norm:  # after profiling (which would count as micro-batches), before partitioning
             DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
         self._warn_per_micro_batch_norms(sequential)
@@ -593,6 +599,19 @@ class GPipeStrategy(ParallelStrategy):
             "GPipeStrategy(deferred_batch_norm=True) keeps the running statistics per batch (the normalization stays "
             "per micro-batch); GPipeStrategy(chunks=1) gives the one-device result."
         )
+
+    def _go_on_from(self, left: sharded_leftover.Leftover) -> list[int]:
+        """The split of the sharded run whose stages the processes hold (its chunks and mode where "auto")."""
+        self.layer_costs = None
+        _, chunks, checkpoint = self.requested
+        self.chunks = chunks if isinstance(chunks, int) else left.chunks
+        self.checkpoint = left.checkpoint if checkpoint == AUTO else checkpoint
+        rank_zero_info(
+            f"`{self.backbone}` holds in each process its own stage of the last run with state_dict_type='sharded' "
+            f"(the other stages' layers on the meta device), so this run goes on with that split, "
+            f"balance={list(left.balance)}, instead of choosing one."
+        )
+        return list(left.balance)
 
     def _choose_balance(self, sequential: nn.Sequential, stages: int) -> list[int]:
         """The split: given, by parameter count, or by costs that rank 0 measures and broadcasts; logged."""
@@ -1628,6 +1647,7 @@ class GPipeStrategy(ParallelStrategy):
             owner, name = self._backbone_owner(module)
             if self.state_dict_type == "sharded":  # put in after Lightning's `module.cpu()`, which meta would fail
                 sharded = (owner, name, self.pipe.full_sequential())
+                sharded_leftover.leave(sharded[2], self.pipe.balance, int(self.chunks), self.checkpoint)
             else:
                 for copy_owner, copy_name, cut in self._copies:  # the weight averages, whole on every rank too
                     setattr(copy_owner, copy_name, model_state.reassemble_copy(cut))
@@ -1647,7 +1667,8 @@ class GPipeStrategy(ParallelStrategy):
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
             self._board.stop()
-        super().teardown()
+        with self._meta_backbone_aside():
+            super().teardown()
         if sharded is not None:
             owner, name, sequential = sharded
             whole = "For the whole model, load the sharded checkpoint with "
@@ -1658,6 +1679,26 @@ class GPipeStrategy(ParallelStrategy):
                 f"state_dict_type='sharded': after the run each rank holds only its own stage of `{self.backbone}` "
                 f"(the other layers are on the meta device; the module's state_dict() refuses). {whole}"
             )
+
+    @contextmanager
+    def _meta_backbone_aside(self) -> Generator[None, None, None]:
+        """Lightning's teardown moves the module to the CPU, which fails on ``meta`` tensors: a backbone a sharded
+        run left (a later run that failed on it, or the main process of a spawn launch) stays aside meanwhile, so
+        that the run's own error is the one raised."""
+        module = self.lightning_module
+        try:
+            owner, name = self._backbone_owner(module) if module is not None else (None, "")
+        except (AttributeError, TypeError, ValueError):  # no backbone: nothing of it to keep aside
+            owner = None
+        sequential = getattr(owner, name, None) if owner is not None else None
+        if not isinstance(sequential, nn.Sequential) or not sharded_leftover.meta_layers(sequential):
+            yield
+            return
+        setattr(owner, name, nn.Sequential())
+        try:
+            yield
+        finally:
+            setattr(owner, name, sequential)
 
     @classmethod
     @override

@@ -183,6 +183,41 @@ def mismatched_resumes(rank: int, world_size: int, directory: str) -> dict[str, 
     return out
 
 
+def go_on_after_a_fit(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """A script's usual sequel to ``fit`` on the same module: ``validate`` (also from ``ckpt_path="last"``),
+    ``predict`` and a second ``fit`` with a new Trainer, after a full run and after a sharded one (where each
+    process holds its own stage only); then, on the sharded run's module, a run that asks for another split."""
+    from lightning_gpipe.engine.failure import PipelineError
+
+    out: dict[str, Any] = {}
+    for kind in ("full", "sharded"):
+        L.seed_everything(0, verbose=False)
+        model = M.Net("adam", **RANDOM)
+        where = os.path.join(directory, f"go-on-{kind}")
+        save = ModelCheckpoint(dirpath=where, save_last=True)
+        strategy = {"state_dict_type": kind}
+        trainer = _trainer(world_size, strategy, max_steps=3, callbacks=[save], limit_val_batches=None)
+        trainer.fit(model, M.loader())
+        validated = trainer.validate(model, M.loader(shuffle=False), verbose=False)
+        predicted = torch.cat(trainer.predict(model, M.loader(shuffle=False)))
+        from_last = trainer.validate(model, M.loader(shuffle=False), ckpt_path="last", verbose=False)
+        _trainer(world_size, strategy, max_steps=3).fit(model, M.loader())
+        out[kind] = {
+            "validated": validated,
+            "from last": from_last,
+            "predicted": predicted,
+            "weights": _weights(model),
+        }
+    try:
+        _trainer(world_size, {"balance": [1, 6]}, max_steps=1, limit_val_batches=None).validate(
+            model, M.loader(shuffle=False), verbose=False
+        )
+        out["refused"] = None
+    except (ValueError, PipelineError) as error:
+        out["refused"] = str(error)
+    return out
+
+
 def one_device(
     optimizer: str,
     max_steps: int,

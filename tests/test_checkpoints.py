@@ -71,6 +71,63 @@ def test_sharded_run_ends_with_each_rank_holding_its_own_trained_stage_and_the_r
                 assert value.is_meta, (rank, key)
 
 
+@pytest.fixture(scope="module")
+def went_on(tmp_path_factory):
+    return run_ok(R.go_on_after_a_fit, 2, str(tmp_path_factory.mktemp("go-on")), timeout=600)
+
+
+def test_validate_predict_and_a_second_fit_after_a_sharded_run_go_on_from_each_stage_as_after_a_full_one(went_on):
+    # before: the next run profiled the backbone for its split, and the other stages' meta layers failed it with
+    # torch's "Cannot copy out of meta tensor" (the default balance; any split other than the run's failed so too)
+    held = set()
+    for rank_results in went_on:
+        full, sharded = rank_results["full"], rank_results["sharded"]
+        for what in ("validated", "from last"):
+            got, expected = sharded[what][0]["val_loss"], full[what][0]["val_loss"]
+            assert abs(got - expected) <= 1e-6, (what, got, expected)
+        torch.testing.assert_close(sharded["predicted"], full["predicted"], atol=1e-6, rtol=0)
+        assert set(sharded["weights"]) == set(full["weights"])
+        for key, value in sharded["weights"].items():  # after the second fit: this stage's layers, the rest meta
+            if not value.is_meta:
+                held.add(key)
+                torch.testing.assert_close(value, full["weights"][key], atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
+    assert held == set(went_on[0]["full"]["weights"])  # every layer trained on some rank
+
+
+def test_another_split_on_what_a_sharded_run_left_is_refused_naming_the_runs_split_and_consolidate(went_on):
+    for rank_results in went_on:
+        message = rank_results["refused"]
+        assert message is not None and "state_dict_type='sharded' over 2 stages" in message
+        assert "This run asks for 2 stages with balance=[1, 6]" in message
+        assert "lightning_gpipe.checkpointing.consolidate(path)" in message
+
+
+def test_meta_layers_are_refused_before_the_profile_and_a_sharded_leftover_goes_on_only_with_its_own_stages():
+    from torch import nn
+
+    from lightning_gpipe.checkpointing import sharded_leftover as S
+
+    def backbone(meta_from: int) -> nn.Sequential:
+        layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+        for layer in layers[meta_from:]:
+            layer.to("meta")
+        return layers
+
+    assert S.continue_from(backbone(4), "backbone", 2, 0, None) is None  # nothing on meta
+    with pytest.raises(ValueError, match=r"Layers 2, 3 of `backbone` hold tensors on the meta device.*to_empty"):
+        S.continue_from(backbone(2), "backbone", 2, 0, None)  # built on meta by the user: no run to go on from
+    left = backbone(2)
+    S.leave(left, [2, 2], 4, "never")
+    assert S.continue_from(left, "backbone", 2, 0, "time") == S.Leftover((2, 2), 4, "never")
+    with pytest.raises(ValueError, match=r"over 2 stages \(balance=\[2, 2\]\).*asks for 3 stages"):
+        S.continue_from(left, "backbone", 3, 0, None)
+    with pytest.raises(ValueError, match=r"no values for layers 2, 3 of its stage 1: another process ran it"):
+        S.continue_from(left, "backbone", 2, 1, None)
+    S.leave_in_main_process(left)
+    with pytest.raises(ValueError, match=r"main process's copy .* start_method='popen'"):
+        S.continue_from(left, "backbone", 2, 0, None)
+
+
 def test_sharded_checkpoint_is_a_directory_of_stage_files_that_consolidates_for_one_device(runs, tmp_path):
     path = os.path.join(runs["directory"], "sharded-k3", "step=3.ckpt")
     assert os.path.isdir(path) and os.path.exists(os.path.join(path, "meta.json"))
