@@ -119,7 +119,7 @@ from lightning_gpipe.engine.pipe import (
     refuse_reserved_names,
     refuse_sync_batch_norm,
 )
-from lightning_gpipe.engine.replicas import broadcast_from_first_replica
+from lightning_gpipe.engine.replicas import broadcast_from_first_replica, refuse_sparse_gradients
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
 from lightning_gpipe.engine.split_weights import SplitWeights, judge
 from lightning_gpipe.engine.stage_copy import StageCopy
@@ -537,6 +537,7 @@ class GPipeStrategy(ParallelStrategy):
         refuse_lazy_layers(sequential)  # before the profile, which would meet them first
         layout = self.layout
         refuse_sync_batch_norm(sequential, layout.pipe_size)  # before the profile too: it would wait in a collective
+        refuse_sparse_gradients(module, layout.num_replicas)  # the whole module: its stem and head are averaged too
         if layout.pipe_size > len(sequential):
             raise ValueError(
                 f"The pipeline has {layout.pipe_size} stages but `{self.backbone}` has only {len(sequential)} layers; "

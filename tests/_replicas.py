@@ -99,7 +99,27 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         out["resumed, replica 1 given another file"] = _resume(gpipe(), 4, given, 8, optimizer="adam", dropout=0.2)
     out["other file warnings"] = [str(w.message) for w in caught if "rank loads rank 0's" in str(w.message)]
+    # sparse gradients cannot join the replicas' dense buckets: refused before any batch, by the engine (a sparse
+    # embedding in the backbone) and by the strategy (one outside it, which the replicas average too)
+    from lightning_gpipe import GPipe, PipeLayout
+
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    model = M.Net()
+    model.lookup = torch.nn.Embedding(10, 4, sparse=True)
+    for name, build in (
+        ("sparse engine", lambda: GPipe(sparse, [1, 2], layout=PipeLayout(4, 2))),
+        ("sparse strategy", lambda: _fit_module(model, gpipe())),
+    ):
+        try:
+            build()
+            out[name] = None
+        except ValueError as error:
+            out[name] = str(error)
     return out
+
+
+def _fit_module(model: L.LightningModule, strategy: Any) -> None:
+    L.Trainer(strategy=strategy, devices=4, **M.trainer_kwargs(max_steps=1)).fit(model, M.loader(batch_size=BATCH))
 
 
 def global_batches(replica_count: int = 2) -> list[list[int]]:

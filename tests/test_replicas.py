@@ -126,3 +126,23 @@ def test_replicas_given_different_checkpoint_files_all_load_rank_zeros_as_ddps_m
         assert len(warned) == (1 if rank >= 2 else 0), (rank, warned)
         if warned:
             assert f"Rank {rank} was given the checkpoint" in warned[0] and "sync_dist=True" in warned[0]
+
+
+def test_sparse_gradients_in_replicas_are_refused_before_any_batch_naming_the_layer_and_the_fixes(runs):
+    # before: torch's "reshape is not implemented for sparse tensors" from the gradient average at the first step
+    for rank_results in runs:
+        for name, layer in (("sparse engine", "`0`"), ("sparse strategy", "`lookup`")):
+            message = rank_results[name]
+            assert message is not None and message.startswith(f"{layer} makes sparse gradients (`sparse=True`)")
+            assert "2 data-parallel replicas" in message and "`sparse=False`" in message and "one pipeline" in message
+
+
+def test_a_sparse_gradient_the_setup_check_does_not_know_is_refused_when_the_replicas_would_average_it():
+    from lightning_gpipe.engine.replicas import with_presence
+
+    dense = torch.nn.Parameter(torch.zeros(3))
+    table = torch.nn.Parameter(torch.zeros(5, 2))
+    grad = torch.sparse_coo_tensor([[1, 3]], torch.ones(2, 2), (5, 2))
+    assert with_presence([torch.ones(3), None], [dense, table]).tolist() == [1, 1, 1] + [0] * 10 + [1, 0]
+    with pytest.raises(RuntimeError, match=r"shape \(5, 2\) has a gradient of layout torch.sparse_coo"):
+        with_presence([torch.ones(3), grad], [dense, table])

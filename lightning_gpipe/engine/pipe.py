@@ -29,7 +29,7 @@ from lightning_gpipe.engine.partition import (
     stage_bounds,
     validate_balance,
 )
-from lightning_gpipe.engine.replicas import GradientSync
+from lightning_gpipe.engine.replicas import GradientSync, refuse_sparse_gradients
 from lightning_gpipe.engine.skip import SkipRoutes, StageSkips, find_skips
 from lightning_gpipe.engine.stage import StageRunner
 from lightning_gpipe.engine.stage_copy import StageCopy
@@ -343,6 +343,7 @@ class GPipe(nn.Module):
             raise ValueError(f"The layout is for {layout.world_size} processes but the job has {world}.")
         stages = layout.pipe_size
         refuse_sync_batch_norm(module, stages)
+        refuse_sparse_gradients(module, layout.num_replicas)
         if balance is None:
             balance = balance_by_params(module, stages)
         elif not distributed.is_distributed() and len(check_balance_entries(balance)) > 1:

@@ -19,9 +19,38 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["GradientSync", "broadcast_from_first_replica", "with_presence"]
+__all__ = ["GradientSync", "broadcast_from_first_replica", "refuse_sparse_gradients", "with_presence"]
 
 _BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+_SPARSE_FIX = (
+    "Make them dense (`sparse=False`), or train one pipeline (devices equal to the stages per pipeline), which keeps "
+    "sparse gradients."
+)
+
+
+def refuse_sparse_gradients(module: nn.Module, replicas: int) -> None:
+    """Raise, naming the layers, where ``module`` makes sparse gradients and ``replicas`` data-parallel pipelines
+    would average them.
+
+    The replicas average each stage's gradients as flat dense buckets (see :class:`GradientSync`); a sparse
+    gradient cannot join them, and DDP's own reducer, which can, does not fit a stage (module docstring). Refused
+    at setup rather than with torch's "reshape is not implemented for sparse tensors" at the first step.
+    """
+    if replicas < 2:
+        return
+    found = [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    ]
+    if found:
+        raise ValueError(
+            f"{', '.join(f'`{n}`' for n in found[:4])} make{'s' * (len(found) == 1)} sparse gradients "
+            f"(`sparse=True`), which the gradient average over the {replicas} data-parallel replicas of the pipeline "
+            f"does not support. {_SPARSE_FIX}"
+        )
 
 
 def with_presence(grads: list[Optional[Tensor]], params: list[nn.Parameter]) -> Tensor:
@@ -31,6 +60,12 @@ def with_presence(grads: list[Optional[Tensor]], params: list[nn.Parameter]) -> 
     DDP and on one device. An optimizer skips a ``None`` gradient but steps a zero one (momentum, weight decay,
     Adam's moments). Read the flags as ``flat[-len(params):]``.
     """
+    sparse = next((g for g in grads if g is not None and g.layout != torch.strided), None)
+    if sparse is not None:  # a layer the setup check does not know (it names nn.Embedding and nn.EmbeddingBag)
+        raise RuntimeError(
+            f"A parameter of shape {tuple(sparse.shape)} has a gradient of layout {sparse.layout}, which the gradient "
+            f"average over data-parallel replicas of the pipeline does not support. {_SPARSE_FIX}"
+        )
     flags = torch.tensor([g is not None for g in grads], dtype=params[0].dtype, device=params[0].device)
     return torch.cat(
         [*((g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)), flags]
