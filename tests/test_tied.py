@@ -180,3 +180,22 @@ def test_a_tied_checkpoint_is_a_one_device_checkpoint_and_resumes_with_another_k
 
 def test_the_model_summary_counts_a_tied_parameter_once(tied_runs):
     assert tied_runs(3)[0]["summary"] == sum(p.numel() for p in M.TiedNet().parameters())
+
+
+def test_a_sparse_embedding_tied_across_stages_is_refused_before_any_collective_naming_the_tie_and_the_fixes():
+    # before: the stage of the embedding failed in the dense sum of the copies' gradients at the first drain, and
+    # the other stage, waiting in that sum, ended with gloo's "Connection closed by peer"
+    from lightning_gpipe.engine.tied import _refuse_sparse_ties
+
+    embedding, output = nn.Embedding(50, 16, sparse=True), nn.Linear(16, 50, bias=False)
+    output.weight = embedding.weight  # an LM's input and output embeddings
+    sequential = nn.Sequential(embedding, nn.Tanh(), nn.Linear(16, 16), output)
+    across = [t for t in find_ties(sequential, [2, 2]) if t.across_stages]
+    with pytest.raises(
+        ValueError,
+        match=r"The tied parameter `0.weight` \(also `3.weight`\) is the weight of a sparse embedding \(`0`, "
+        r"sparse=True\), and its copies on stages \[0, 1\].*`sparse=False`",
+    ):
+        _refuse_sparse_ties(sequential, across)
+    embedding.sparse = False
+    _refuse_sparse_ties(sequential, across)  # dense: the tie trains as any other

@@ -61,10 +61,12 @@ def with_presence(grads: list[Optional[Tensor]], params: list[nn.Parameter]) -> 
     Adam's moments). Read the flags as ``flat[-len(params):]``.
     """
     sparse = next((g for g in grads if g is not None and g.layout != torch.strided), None)
-    if sparse is not None:  # a layer the setup check does not know (it names nn.Embedding and nn.EmbeddingBag)
+    if sparse is not None:  # a layer the setup check does not know, or a tie (its copies' gradients are summed here)
         raise RuntimeError(
-            f"A parameter of shape {tuple(sparse.shape)} has a gradient of layout {sparse.layout}, which the gradient "
-            f"average over data-parallel replicas of the pipeline does not support. {_SPARSE_FIX}"
+            f"A parameter of shape {tuple(sparse.shape)} has a gradient of layout {sparse.layout}, which neither the "
+            "gradient average over data-parallel replicas nor the sum of a tied parameter's copies over the stages "
+            "supports (both add dense buffers). Make it dense (`sparse=False`); a sparse embedding that is not tied "
+            "across stages trains in one pipeline of any K."
         )
     flags = torch.tensor([g is not None for g in grads], dtype=params[0].dtype, device=params[0].device)
     return torch.cat(

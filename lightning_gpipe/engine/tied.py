@@ -131,6 +131,23 @@ def _checksum(t: Tensor) -> Tensor:
     return as_bits(t).sum(dtype=torch.int64)
 
 
+def _refuse_sparse_ties(module: nn.Sequential, ties: list[Tie]) -> None:
+    """Raise where a tie across stages is the weight of a sparse embedding: its copies' gradients are summed in a
+    dense buffer (:meth:`TiedCopies.after_drain`), which a sparse gradient cannot join. Every rank decides alike,
+    before any step, instead of one rank failing in the sum while the others wait in it."""
+    for tie in ties:
+        for spot in tie.spots:
+            where = spot.rpartition(".")[0]
+            owner = module.get_submodule(where)
+            if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) and owner.sparse:
+                raise ValueError(
+                    f"The tied parameter `{tie.name}` (also `{'`, `'.join(tie.spots[1:])}`) is the weight of a sparse "
+                    f"embedding (`{where}`, sparse=True), and its copies on stages {list(tie.stages)} sum their "
+                    "gradients in a dense buffer, which a sparse gradient cannot join. Make the embedding dense "
+                    "(`sparse=False`), or, where the layers allow, a balance that keeps the tied layers on one stage."
+                )
+
+
 class TiedCopies:
     """This stage's copies of the parameters tied across stages, and the groups their gradients are summed over.
 
@@ -149,6 +166,7 @@ class TiedCopies:
     ) -> None:
         self.ties, self.stage, self.replicas = ties, stage, layout.num_replicas
         self.prefix = ""  # how error messages name the Sequential ("backbone."), set by the owner
+        _refuse_sparse_ties(module, [t for t in ties if t.across_stages])
         self.local: list[tuple[Tie, nn.Parameter]] = []
         self._groups: list[tuple[list[int], Optional[dist.ProcessGroup], list[tuple[Tie, nn.Parameter]]]] = []
         backend = backend_for(device)
