@@ -1539,8 +1539,12 @@ class GPipeStrategy(ParallelStrategy):
             if self.seed is None:  # an explicit seed= wins (and warns), else the checkpoint's
                 self.pipe.seed = saved["seed"]
             self._warn_if_random_streams_change(saved)
-        if saved is not None and saved.get("loader") is not None:
-            self._loader_position = saved["loader"]  # for the training loader the loop makes next
+        trainer = self._trainer()
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if saved is not None and saved.get("loader") is not None and fitting:
+            # for the training loader the loop makes next; a `validate`/`test`/`predict(ckpt_path=...)` restores the
+            # weights only, as on one device, and must not leave the position to a later `fit`'s loader
+            self._loader_position = saved["loader"]
             silence_not_resumable_warning()
         return checkpoint
 

@@ -183,6 +183,28 @@ def mismatched_resumes(rank: int, world_size: int, directory: str) -> dict[str, 
     return out
 
 
+def fit_validate_from_last_fit_again(devices: int, directory: str) -> dict[str, torch.Tensor]:
+    """One epoch, ``validate(ckpt_path="last")``, then a second epoch on the same Trainer, on shuffled data; the
+    weights (chunks=2 and no dropout: the pipeline must give one device's)."""
+    L.seed_everything(0, verbose=False)
+    model = M.Net("adam")
+    save = ModelCheckpoint(dirpath=directory, save_last=True)
+    settings = M.trainer_kwargs(
+        max_steps=-1, max_epochs=1, callbacks=[save], enable_checkpointing=True, limit_val_batches=None
+    )
+    if devices > 1:
+        from lightning_gpipe import GPipeStrategy
+
+        trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=devices, **settings)
+    else:
+        trainer = L.Trainer(devices=1, **settings)
+    trainer.fit(model, M.loader())
+    trainer.validate(model, M.loader(shuffle=False), ckpt_path="last", verbose=False)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, M.loader())
+    return _weights(model)
+
+
 def go_on_after_a_fit(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """A script's usual sequel to ``fit`` on the same module: ``validate`` (also from ``ckpt_path="last"``),
     ``predict`` and a second ``fit`` with a new Trainer, after a full run and after a sharded one (where each
@@ -208,6 +230,7 @@ def go_on_after_a_fit(rank: int, world_size: int, directory: str) -> dict[str, A
             "predicted": predicted,
             "weights": _weights(model),
         }
+    out["validated from last, fit again"] = fit_validate_from_last_fit_again(world_size, os.path.join(directory, "v"))
     try:
         _trainer(world_size, {"balance": [1, 6]}, max_steps=1, limit_val_batches=None).validate(
             model, M.loader(shuffle=False), verbose=False

@@ -94,6 +94,17 @@ def test_validate_predict_and_a_second_fit_after_a_sharded_run_go_on_from_each_s
     assert held == set(went_on[0]["full"]["weights"])  # every layer trained on some rank
 
 
+def test_a_validate_from_a_checkpoint_between_two_fits_leaves_the_next_fits_data_order_as_on_one_device(
+    went_on, tmp_path
+):
+    # before: the validate's checkpoint load kept the training loader's saved position (and random state) for the
+    # next training loader, so the second fit shuffled its epoch from the checkpoint's state, not the process's:
+    # 6.0e-2 off one device after one more epoch, silently
+    one = R.fit_validate_from_last_fit_again(1, str(tmp_path))
+    for rank_results in went_on:
+        assert_same_weights(rank_results["validated from last, fit again"], one)
+
+
 def test_another_split_on_what_a_sharded_run_left_is_refused_naming_the_runs_split_and_consolidate(went_on):
     for rank_results in went_on:
         message = rank_results["refused"]
