@@ -24,12 +24,6 @@ __all__ = ["GradientSync", "broadcast_from_first_replica", "refuse_sparse_gradie
 _BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
-_SPARSE_FIX = (
-    "Make them dense (`sparse=False`), or train one pipeline (devices equal to the stages per pipeline), which keeps "
-    "sparse gradients."
-)
-
-
 def refuse_sparse_gradients(module: nn.Module, replicas: int) -> None:
     """Raise, naming the layers, where ``module`` makes sparse gradients and ``replicas`` data-parallel pipelines
     would average them.
@@ -49,7 +43,8 @@ def refuse_sparse_gradients(module: nn.Module, replicas: int) -> None:
         raise ValueError(
             f"{', '.join(f'`{n}`' for n in found[:4])} make{'s' * (len(found) == 1)} sparse gradients "
             f"(`sparse=True`), which the gradient average over the {replicas} data-parallel replicas of the pipeline "
-            f"does not support. {_SPARSE_FIX}"
+            "does not support. Make them dense (`sparse=False`), or train one pipeline (devices equal to the stages "
+            "per pipeline), which keeps sparse gradients."
         )
 
 
