@@ -33,8 +33,8 @@ def sgd(params):
 
 
 def trainer(args: argparse.Namespace, epochs: int, name: str) -> L.Trainer:
-    checkpoint = ModelCheckpoint(
-        dirpath=args.out, filename=name, save_on_train_epoch_end=True, enable_version_counter=False
+    checkpoint = ModelCheckpoint(  # a directory per phase: the fine-tune's is not the pretraining's, with its file
+        dirpath=os.path.join(args.out, name), filename=name, save_on_train_epoch_end=True, enable_version_counter=False
     )  # a rerun overwrites its files
     return L.Trainer(
         strategy=GPipeStrategy(chunks=args.chunks, deferred_batch_norm=True),
@@ -54,7 +54,7 @@ def pretrain(args: argparse.Namespace) -> str:
     data = ImageDataModule("digits", batch_size=args.batch_size, classes=range(5))
     model = AmoebaNetClassifier(num_classes=data.num_classes, optimizer=sgd, **AMOEBANET)
     trainer(args, args.pretrain_epochs, "pretrained").fit(model, data)
-    return os.path.join(args.out, "pretrained.ckpt")
+    return os.path.join(args.out, "pretrained", "pretrained.ckpt")
 
 
 class GrayToRGB(nn.Module):
@@ -96,21 +96,27 @@ def finetune(args: argparse.Namespace, pretrained: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--devices", type=int, default=2, help="pipeline stages (processes)")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per batch")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--pretrain-epochs", type=int, default=4)
-    parser.add_argument("--finetune-epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per batch")
+    parser.add_argument("--pretrain-epochs", type=int, default=4, help="epochs on digits 0-4")
+    parser.add_argument("--finetune-epochs", type=int, default=3, help="epochs on digits 5-9")
     parser.add_argument(
         "--freeze", type=int, default=0, help="leading layers of the Sequential that stay as pretrained"
     )
     parser.add_argument("--torchvision-weights", help="a torchvision state_dict file (torch.save) to start from")
     parser.add_argument("--arch", default="resnet18", help="the torchvision architecture of --torchvision-weights")
     parser.add_argument("--image-size", type=int, default=None, help="resize the digits (e.g. 32 for a ResNet)")
-    parser.add_argument("--limit-train-batches", type=float, default=1.0)
-    parser.add_argument("--out", default="runs/finetune", help="where the checkpoints go")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit-train-batches", type=float, default=1.0, help="Lightning's limit_train_batches")
+    parser.add_argument(
+        "--out",
+        default="runs/finetune",
+        help="where the checkpoints go: pretrained/pretrained.ckpt, finetuned/finetuned.ckpt",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed_everything before each phase")
     args = parser.parse_args()
     pretrained = args.torchvision_weights or pretrain(args)
     results = finetune(args, pretrained)

@@ -259,6 +259,11 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
         try:
             super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
         except (SystemExit, KeyboardInterrupt) as stop:
+            strategy = trainer.strategy if trainer is not None else None
+            if getattr(strategy, "failed", False):  # this rank's own failure, not a stop the ranks agreed on
+                # torch's worker wrapper hands the main process an Exception's traceback only: a `sys.exit(3)` on one
+                # rank read "process 1 terminated with exit code 1" there, its cause lost
+                raise RuntimeError(f"rank {process_idx} failed: {type(stop).__name__}: {stop}") from stop
             if process_idx == 0:  # Lightning's arguments after the function: args, kwargs, the return queue
                 args[2].put(_WorkerStopped(stop.with_traceback(None)))
             # Lightning tears the run down in the main process only: this worker's pipeline threads and process group

@@ -93,6 +93,7 @@ from lightning_gpipe.engine.failure import (
     PipelineError,
     destroy_process_groups_at_exit,
     exit_without_finalizers,
+    print_stacks_on_a_crash,
 )
 from lightning_gpipe.engine.grad_scaler import loss_scale_state
 from lightning_gpipe.engine.gradients import stage_norm_keys
@@ -434,6 +435,7 @@ class GPipeStrategy(ParallelStrategy):
             backend = self._process_group_backend or distributed.default_backend(self.root_device)
             init_process_group(self.cluster_environment, backend, self.root_device, self._process_group_timeout)
             destroy_process_groups_at_exit()
+            print_stacks_on_a_crash()
         self._set_host_malloc()
         if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
             self._mesh = make_mesh(self.layout, self.root_device)

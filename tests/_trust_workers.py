@@ -10,7 +10,9 @@ import copy
 import os
 import random
 import signal
+import sys
 import tempfile
+import time
 from typing import Any, Callable
 
 import _models as M
@@ -91,7 +93,8 @@ class _SignalsFromAWorker(Callback):
 
 def spawned(directory: str, how: str) -> None:
     """A fit of 1000 epochs that a script starts with ``start_method="spawn"``, with ``OnExceptionCheckpoint``, ended
-    ``how``: ``"raises"``, stage 1 raises at its third call; ``"main interrupted"``, the main process alone gets SIGINT;
+    ``how``: ``"raises"``, stage 1 raises at its third call; ``"exits"``, stage 1 calls ``sys.exit(3)`` after its
+    third batch; ``"main interrupted"``, the main process alone gets SIGINT;
     ``"worker terminated"``, stage 0's worker alone gets SIGTERM; ``"main terminated"``, the main process alone gets
     SIGTERM (a scheduler's, which signals the job's first process)."""
     from lightning_gpipe import GPipeStrategy
@@ -101,12 +104,22 @@ def spawned(directory: str, how: str) -> None:
     callbacks: list[Callback] = [OnExceptionCheckpoint(os.path.join(directory, "ckpt"))]
     if how == "raises":
         model.backbone.append(_sweeps.Boom(rank=1, call=3))
+    elif how == "exits":
+        callbacks.append(_ExitsOnRankOne())
     else:
         signum = signal.SIGINT if how == "main interrupted" else signal.SIGTERM
         callbacks.append(_SignalsFromAWorker(directory, signum, to_itself=how == "worker terminated"))
     settings = M.trainer_kwargs(callbacks=callbacks, enable_checkpointing=True, max_steps=-1, max_epochs=1000)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, start_method="spawn"), devices=2, **settings)
     trainer.fit(model, M.loader())
+
+
+class _ExitsOnRankOne(Callback):
+    """``sys.exit(3)`` on rank 1 after training batch 2: a user's script that gives up on one rank."""
+
+    def on_train_batch_end(self, trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 3:
+            sys.exit(3)
 
 
 class MomentumEncoder(M.Net):
@@ -598,6 +611,51 @@ def terminated(ranks: list[int], directory: str, signum: int = signal.SIGTERM) -
         trainer.fit(M.Net(), M.loader())
     finally:
         print(f"rank {trainer.global_rank} stopped after step {trainer.global_step}", flush=True)
+
+
+class StuckOnRankOne(M.Net):
+    """Rank 1's ``training_step`` of batch 2 never returns (a user's hang: a wait for a file, an endless loop)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2 and self.global_rank == 1:
+            time.sleep(600)
+        return super().training_step(batch, batch_idx)
+
+
+def stuck(directory: str) -> None:
+    """A fit under Lightning's popen launcher whose rank 1 hangs in its step; each rank writes its pid first."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2, failure_timeout=3.0, watchdog_grace=1.0),
+        devices=2,
+        **M.trainer_kwargs(max_steps=6),
+    )
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    with open(os.path.join(directory, f"pid{rank}"), "w") as file:
+        file.write(str(os.getpid()))
+    trainer.fit(StuckOnRankOne(), M.loader())
+
+
+class AbortsOnRankOne(Callback):
+    """Rank 1 dies in native code after training batch 2 (``os.abort``: as gloo's abort on a mismatched collective)."""
+
+    def on_train_batch_end(self, trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 3:
+            os.abort()
+
+
+def aborted() -> None:
+    """A fit under Lightning's popen launcher whose rank 1 aborts."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    callbacks = [AbortsOnRankOne()]
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2), devices=2, **M.trainer_kwargs(callbacks=callbacks, max_steps=6)
+    )
+    trainer.fit(M.Net(), M.loader())
 
 
 class SignalAt(Callback):

@@ -38,8 +38,8 @@ def test_finetune_example_pretrains_then_finetunes_a_new_head_with_frozen_first_
     accuracy = float(re.search(r"fine-tuned test accuracy: ([0-9.]+)", output).group(1))
     assert accuracy > 0.8  # digits 5-9; chance is 0.2
     pretrained, finetuned = (
-        _checkpoint(str(tmp_path / "pretrained.ckpt")),
-        _checkpoint(str(tmp_path / "finetuned.ckpt")),
+        _checkpoint(str(tmp_path / "pretrained" / "pretrained.ckpt")),
+        _checkpoint(str(tmp_path / "finetuned" / "finetuned.ckpt")),
     )
     assert list(pretrained) == list(finetuned)
     for key in pretrained:
@@ -74,7 +74,7 @@ def test_finetune_example_starts_from_a_torchvision_weights_file(tmp_path):
         "--out",
         str(tmp_path),
     )
-    finetuned = _checkpoint(str(tmp_path / "finetuned.ckpt"))
+    finetuned = _checkpoint(str(tmp_path / "finetuned" / "finetuned.ckpt"))
     # Layer 0 turns gray into RGB; 1 and 2 are conv1 and bn1, frozen: still the file's tensors.
     assert torch.equal(finetuned["backbone.1.weight"], weights["conv1.weight"])
     assert torch.equal(finetuned["backbone.2.running_var"], weights["bn1.running_var"])

@@ -34,6 +34,16 @@ def test_header_round_trips_shapes_dtypes_grad_flags_missing_entries_and_the_tag
     assert got == tag and structure
 
 
+def test_a_tag_names_evaluation_calls_by_their_own_count_not_the_offset_that_keeps_them_apart():
+    # an out-of-step error for a rank-zero-only forward in a validation hook read "backbone call 4611686018427387906"
+    from lightning_gpipe.engine.messages import EVAL_CALLS
+
+    assert Tag("forward", EVAL_CALLS + 2, 0, "on_validation_epoch_end").describe() == (
+        "the forward of micro-batch 0 of evaluation call 2 (without a graph) (made in `on_validation_epoch_end`)"
+    )
+    assert Tag("gradient", 7, 1).describe() == "the gradient of micro-batch 1 of backbone call 7"
+
+
 def test_a_structure_rides_in_the_header_after_the_specs_in_either_framing_and_a_large_one_is_a_clear_error():
     from lightning_gpipe.engine.structure import flatten, unflatten
 

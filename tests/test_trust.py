@@ -104,7 +104,50 @@ def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_wit
     assert not glob.glob(str(tmp_path / "ckpt" / "*"))
 
 
-@pytest.mark.parametrize("how", ["raises", "main interrupted", "worker terminated", "main terminated"])
+def test_a_rank_hung_in_its_own_step_under_the_default_launcher_ends_with_its_stack_instead_of_outliving_the_job(
+    tmp_path,
+):
+    # Rank 1's check found the stages out of step and published it; rank 0 exited with the error, but rank 1, the
+    # publisher, was left to end itself at its next pipeline call, which its sleeping step never made: it outlived the
+    # job (a busy loop kept a core at 100%) until killed by hand, and `subprocess.run` waited on its inherited pipes
+    result, seconds = _under_the_default_launcher(tmp_path, f"stuck({str(tmp_path)!r})")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert seconds < BOUND
+    assert "stage 1 has had no backbone call under way for 3s (or it has been busy that long" in result.stderr
+    assert "rank 1: ending this process, 1s after a check found this rank's failure" in result.stderr
+    assert "time.sleep(600)" in result.stderr  # the main thread's stack: where it hangs
+    for rank in (0, 1):
+        assert _ends(int((tmp_path / f"pid{rank}").read_text()), within=5.0), f"rank {rank} outlived the job"
+
+
+def test_a_rank_that_dies_in_native_code_prints_its_python_stack_and_the_job_ends(tmp_path):
+    # a native abort (gloo's on a collective called on some ranks only) left no trace of where: the peers said only
+    # that rank 1 was lost
+    result, seconds = _under_the_default_launcher(tmp_path, "aborted()")
+    assert result.returncode != 0
+    assert seconds < BOUND
+    assert "Fatal Python error: Aborted" in result.stderr
+    assert re.search(r'File ".*_trust_workers.py", line \d+ in on_train_batch_end', result.stderr), result.stderr[
+        -3000:
+    ]
+
+
+def _ends(pid: int, within: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie: exited, awaiting its reaper) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["raises", "exits", "main interrupted", "worker terminated", "main terminated"])
 def test_a_spawn_launch_that_fails_or_is_stopped_saves_no_untrained_model_and_ends_every_process(tmp_path, how):
     # Lightning runs `on_exception` in the main process, which is no rank: OnExceptionCheckpoint wrote its copy of the
     # model from before the run (global step 0), and its teardown raised "Net is not attached to a `Trainer`" over the
@@ -119,6 +162,9 @@ def test_a_spawn_launch_that_fails_or_is_stopped_saves_no_untrained_model_and_en
     assert "is not attached to a `Trainer`" not in result.stderr
     if how == "raises":
         assert "RuntimeError: boom on rank 1" in result.stderr
+        return
+    if how == "exits":  # before, the main process said only "process 1 terminated with exit code 1"
+        assert "RuntimeError: rank 1 failed: SystemExit: 3" in result.stderr, result.stderr[-3000:]
         return
     for rank in (0, 1):  # every worker ended with the main process
         pid = int((tmp_path / f"pid{rank}").read_text())

@@ -14,6 +14,7 @@ rank 0, which hosts it.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import sys
 import threading
@@ -26,7 +27,13 @@ import torch.distributed as dist
 from lightning_gpipe.engine.deadlock import DeadlockWatch
 from lightning_gpipe.engine.distributed import is_distributed
 
-__all__ = ["PipelineError", "FailureBoard", "destroy_process_groups_at_exit", "exit_without_finalizers"]
+__all__ = [
+    "PipelineError",
+    "FailureBoard",
+    "destroy_process_groups_at_exit",
+    "exit_without_finalizers",
+    "print_stacks_on_a_crash",
+]
 
 _KEY, _ACKS = "failed", "acks"
 
@@ -105,6 +112,18 @@ def destroy_process_groups_at_exit() -> None:
     atexit.register(_destroy)
 
 
+def print_stacks_on_a_crash() -> None:
+    """Where a process dies in native code (an abort, a segmentation fault), print every thread's Python stack first.
+
+    Such a rank cannot publish an error: its peers learn only that it is gone. The usual native death here is gloo's
+    abort on a collective that the ranks called differently ("Received data size doesn't match expected size", from a
+    ``self.log(..., sync_dist=True)`` on some ranks only): without a stack, the job's output held nothing of where.
+    Python's own ``faulthandler`` does this; enabled here unless the user or pytest already did.
+    """
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
+
+
 class FailureBoard:
     """Publishes and watches the first failure of a job over the default process group's store.
 
@@ -131,6 +150,11 @@ class FailureBoard:
         self._deadlocks: Optional[DeadlockWatch] = None
         #: A failure of this rank that a background check found while its main thread was blocked elsewhere.
         self.found: Optional[PipelineError] = None
+        #: Whether the main thread has this rank's failure in hand (it raised or reported it). Until then the watchdog
+        #: ends the process ``grace`` s after a background check found it: a main thread stuck in the user's code (a
+        #: sleep, an endless loop) never reaches a call that raises it, and under Lightning's default launcher
+        #: nobody else ends it (the peers exit, and their parent does not watch itself).
+        self._in_hand = False
         self._last_answer = time.monotonic()
         #: Per other rank: its heartbeat count as the poller last read it, and since when it has not changed.
         self._beats: dict[int, tuple[int, float]] = {}
@@ -146,8 +170,13 @@ class FailureBoard:
 
     # -- the training thread's side: no store access ------------------------------------------------------
 
-    def publish(self, error: BaseException) -> None:
-        """Tell the other ranks that this rank failed with ``error``; only the first failure is kept."""
+    def publish(self, error: BaseException, in_hand: bool = True) -> None:
+        """Tell the other ranks that this rank failed with ``error``; only the first failure is kept.
+
+        ``in_hand``: the caller is the main thread, which goes on to raise or end the process; ``False`` for a
+        failure a background check found (see :attr:`found`).
+        """
+        self._in_hand = self._in_hand or in_hand
         if self._store is None or self._published:
             return
         self._published = True
@@ -191,6 +220,7 @@ class FailureBoard:
     def raise_if_failed(self) -> None:
         """Raise :class:`PipelineError` if another rank failed, or a background check found this rank's failure."""
         if self.found is not None:
+            self._in_hand = True
             raise self.found
         if self._message is not None and not self._published:
             raise PipelineError(self._message)
@@ -341,7 +371,7 @@ class FailureBoard:
             message = check()
             if message is not None:
                 self.found = PipelineError(message)
-                self.publish(self.found)
+                self.publish(self.found, in_hand=False)
                 return
 
     def _check_deadlock(self, store: dist.Store) -> None:
@@ -350,7 +380,7 @@ class FailureBoard:
         message = self._deadlocks.poll(store)
         if message is not None:
             self.found = PipelineError(message)
-            self.publish(self.found)
+            self.publish(self.found, in_hand=False)
 
     def _check_heartbeats(self, last_seen: dict, failure_timeout: float) -> None:
         store = self._store
@@ -378,14 +408,20 @@ class FailureBoard:
                     f"{self.describe(0)} (rank 0) stopped responding: the job's store, which rank 0 "
                     f"hosts, has not answered for {silent:.0f}s"
                 )
-            if self._message is None or self._published:
+            stuck = self.found is not None and not self._in_hand  # this rank's own failure, found in the background
+            if not stuck and (self._message is None or self._published):
                 continue
-            if self._stop.wait(grace) or self._published:
+            if self._stop.wait(grace) or self._in_hand or (not stuck and self._published):
                 return
-            sys.stderr.write(
-                f"[lightning_gpipe] rank {self.rank}: ending this process, {grace:.0f}s after another "
-                f"rank failed and this one stayed blocked.\n{self._message}\n"
-            )
+            if stuck:
+                why = (
+                    f"{grace:.0f}s after a check found this rank's failure while its main thread stayed busy "
+                    f"outside the pipeline (its stack is below: code that hangs or runs longer than the failure "
+                    f"timeout, or a collective the other ranks never joined).\n{self.found}\n"
+                )
+            else:
+                why = f"{grace:.0f}s after another rank failed and this one stayed blocked.\n{self._message}\n"
+            sys.stderr.write(f"[lightning_gpipe] rank {self.rank}: ending this process, {why}")
             main = threading.main_thread().ident
             traceback.print_stack(sys._current_frames().get(main) if main is not None else None, file=sys.stderr)
             sys.stderr.flush()

@@ -44,7 +44,7 @@ def check_message(message: Message, expected: Tag, sender: str, stage: int) -> M
         )
     if got.batch and expected.batch and got.batch != expected.batch:
         raise PipelineError(
-            f"{sender} and stage {stage} hold different batches in backbone call {expected.call}"
+            f"{sender} and stage {stage} hold different batches in {expected.call_words()}"
             + (f" (made in `{expected.label}`)" if expected.label else "")
             + f": their fingerprints (shape, dtype and checksum of every tensor) are {got.batch:#x} and "
             f"{expected.batch:#x}. {DIFFERENT_BATCH_CAUSES}"

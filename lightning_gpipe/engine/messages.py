@@ -26,6 +26,7 @@ from lightning_gpipe.engine.failure import PipelineError
 from lightning_gpipe.engine.structure import Skeleton, Structure
 
 __all__ = [
+    "EVAL_CALLS",
     "HEADER_BYTES",
     "HEADER_LEN",
     "INLINE_LIMIT",
@@ -72,6 +73,10 @@ _DTYPES = [
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
+#: Where the numbers of evaluation calls (made without a graph) start, so that they never meet the training calls'.
+EVAL_CALLS = 1 << 62
+
+
 @dataclass(frozen=True)
 class Tag:
     """What a message is: one pass of one micro-batch of one backbone call, and the batch it belongs to.
@@ -94,7 +99,13 @@ class Tag:
         """The tag in words, for error messages."""
         what = f"the {self.kind} of micro-batch {self.micro}" if self.micro >= 0 else f"the {self.kind}"
         made = f" (made in `{self.label}`)" if self.label else ""
-        return f"{what} of backbone call {self.call}{made}"
+        return f"{what} of {self.call_words()}{made}"
+
+    def call_words(self) -> str:
+        """The call in words: evaluation calls are counted apart from the training calls (see ``StageRunner``)."""
+        if self.call >= EVAL_CALLS:
+            return f"evaluation call {self.call - EVAL_CALLS} (without a graph)"
+        return f"backbone call {self.call}"
 
     def same_step(self, other: "Tag") -> bool:
         """Whether ``other`` is the same pass of the same call (the batch fingerprints aside)."""

@@ -487,7 +487,10 @@ class GPipe(nn.Module):
         stray = channels.stray(older_than)
         if stray is None:
             return None
-        situation = f"stage {self.stage} has had no backbone call under way for {older_than:.0f}s"
+        situation = (
+            f"stage {self.stage} has had no backbone call under way for {older_than:.0f}s (or it has been busy that "
+            f"long outside the backbone: in a step, hook or data loader that hangs or is that slow)"
+        )
         return stray_message_error(stray[1], stray[0], self.stage, situation)
 
     @property

@@ -26,7 +26,7 @@ from lightning_gpipe.engine.checkpoint import ForwardWrites, Written, check_chec
 from lightning_gpipe.engine.deadlock import blocked
 from lightning_gpipe.engine.layer_errors import note_layer_error
 from lightning_gpipe.engine.lockstep import check_message
-from lightning_gpipe.engine.messages import Message, Tag
+from lightning_gpipe.engine.messages import EVAL_CALLS, Message, Tag
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.rng import (
     HostDraws,
@@ -49,8 +49,6 @@ from lightning_gpipe.engine.structure import Skeleton, Structure, flatten, per_s
 from lightning_gpipe.engine.tracer import Tracer, span
 
 __all__ = ["StageRunner"]
-
-_EVAL_CALLS = 1 << 62  # evaluation calls key their random streams from here on
 
 
 def differentiable(t: Tensor) -> bool:
@@ -164,7 +162,7 @@ class StageRunner:
         label = self.label()
         if not torch.is_grad_enabled():
             # evaluation calls count apart, so that validating does not move the training's random streams
-            call = _EVAL_CALLS + self.eval_calls
+            call = EVAL_CALLS + self.eval_calls
             self.eval_calls += 1
             self._evaluating += 1
             try:
