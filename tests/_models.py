@@ -137,6 +137,7 @@ class Net(L.LightningModule):
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         # what the optimizer holds on this rank (named_parameters() lists the whole model while it is built)
         self.optimized = [n for n, p in self.named_parameters() if id(p) in held]
+        self.listed = [(n, p.numel()) for n, p in self.named_parameters()]  # what user code sees here
         if not self.scheduler:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.7)}
@@ -146,6 +147,11 @@ class Net(L.LightningModule):
             optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
         elif self.optimizer_name == "adamw":  # decays every parameter with a gradient, a zero one too (not None)
             optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        elif self.optimizer_name == "adamw-by-name":  # no decay on the first layer, chosen by name (a tie's first)
+            first = [p for n, p in self.named_parameters() if n.startswith("backbone.0.")]
+            rest = [p for n, p in self.named_parameters() if not n.startswith("backbone.0.")]
+            groups = [{"params": first, "weight_decay": 0.0}, {"params": rest, "weight_decay": 0.1}]
+            optimizer = torch.optim.AdamW(groups, lr=0.01)
         elif self.optimizer_name == "sgd-plain":  # keeps no state at all
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         else:
@@ -177,6 +183,7 @@ def fit_record(model: Net, trainer: L.Trainer, data: DataLoader, val: Optional[D
         "grads": {k: v.cpu() for k, v in model.first_grads.items()},
         "weights": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "optimized": list(model.optimized),
+        "listed": list(model.listed),
         "kept": [m.kept() for m in model.modules() if hasattr(m, "kept")],  # the plain attributes layers keep
     }
 

@@ -31,6 +31,9 @@ CONFIGS = [
         strategy=(("chunks", 2),),
     ),
 ]
+#: A tie's copies listed once, under the one-device name, while ``configure_optimizers`` runs: groups chosen by name
+#: (before: the last stage put its copy, listed as `backbone.6.weight`, in the other group, which was refused).
+BY_NAME = Config("adamw, no decay by name on a tie", model=(("optimizer", "adamw-by-name"),), strategy=(("chunks", 2),))
 SAME_LAYER = Config("same layer twice on one stage", model=(("same_layer_twice", True),), strategy=(("chunks", 2),))
 RESUME_DATA = dict(shuffle=False)
 #: The checkpoint of the resume tests: after 3 of the epoch's 5 batches (mid-epoch).
@@ -107,7 +110,7 @@ def _summary(devices: int) -> int:
 
 def sweep(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """Every configuration; K=2 also writes a checkpoint after one epoch, K=3 resumes it."""
-    results: dict[str, Any] = {c.name: fit(c, world_size) for c in CONFIGS}
+    results: dict[str, Any] = {c.name: fit(c, world_size) for c in [*CONFIGS, BY_NAME]}
     adam = Config("adam", model=(("optimizer", "adam"),), strategy=(("chunks", 2),))
     path = os.path.join(directory, "tied.ckpt")
     if world_size == 2:

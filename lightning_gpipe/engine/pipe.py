@@ -33,7 +33,7 @@ from lightning_gpipe.engine.replicas import GradientSync, refuse_sparse_gradient
 from lightning_gpipe.engine.skip import SkipRoutes, StageSkips, find_skips
 from lightning_gpipe.engine.stage import StageRunner
 from lightning_gpipe.engine.stage_copy import StageCopy
-from lightning_gpipe.engine.tied import TiedCopies, keep_stage
+from lightning_gpipe.engine.tied import TiedCopies, keep_stage, one_parameter_per_tie
 from lightning_gpipe.engine.topology import PipeLayout, make_mesh
 from lightning_gpipe.engine.tracer import Tracer
 
@@ -230,6 +230,10 @@ def check_seed(seed: Any) -> None:
             f"`seed` must be an integer (the root of the pipeline's random streams) or None (the first stage's "
             f"torch.initial_seed(), which seed_everything sets), got {seed!r}."
         )
+
+
+def _nothing() -> None:
+    """Nothing to put back."""
 
 
 class GPipe(nn.Module):
@@ -715,14 +719,18 @@ class GPipe(nn.Module):
         come out as on one device. Every stage then builds the same param groups; the strategy drops the ``meta``
         parameters from them (:func:`~lightning_gpipe.engine.optimizers.accept_empty_parameter_lists`)."""
         own = self._modules
-        if self._all_layers == 0 and self.layout.pipe_size > 1:
+        outermost = self._all_layers == 0 and self.layout.pipe_size > 1
+        put_back: Callable[[], None] = _nothing
+        if outermost:
             whole = OrderedDict((name, self._layer(i)) for i, name in enumerate(self.layer_names))
             self._modules = whole  # type: ignore[assignment]
+            put_back = one_parameter_per_tie(self, self.ties.ties, self.stage)  # a tie listed once, as on one device
         self._all_layers += 1
         try:
             yield
         finally:
             self._all_layers -= 1
+            put_back()
             self._modules = own
 
     def __iter__(self) -> Iterator[nn.Module]:

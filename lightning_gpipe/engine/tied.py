@@ -29,7 +29,7 @@ from lightning_gpipe.engine.partition import layer_names, shared_modules, stage_
 from lightning_gpipe.engine.replicas import with_presence
 from lightning_gpipe.engine.topology import PipeLayout
 
-__all__ = ["Tie", "TiedCopies", "canonical_names", "find_ties", "refuse_ties_outside", "untie"]
+__all__ = ["Tie", "TiedCopies", "canonical_names", "find_ties", "one_parameter_per_tie", "refuse_ties_outside", "untie"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def find_ties(module: nn.Sequential, balance: list[int]) -> list[Tie]:
     ]
 
 
-def _set_parameter(module: nn.Sequential, spot: str, value: nn.Parameter) -> None:
+def _set_parameter(module: nn.Module, spot: str, value: nn.Parameter) -> None:
     path, _, attr = spot.rpartition(".")
     setattr(module.get_submodule(path), attr, value)
 
@@ -119,6 +119,33 @@ def untie(module: nn.Sequential, ties: list[Tie], stage: int) -> None:
                 _set_parameter(
                     module, spot, nn.Parameter(torch.empty_like(original, device="meta"), original.requires_grad)
                 )
+
+
+def one_parameter_per_tie(module: nn.Module, ties: list[Tie], stage: int) -> Callable[[], None]:
+    """Make every spot of each tie hold one Parameter, as on one device; returns what puts the spots back.
+
+    For listings of the whole model (``GPipe.all_layers``, while ``configure_optimizers`` runs), where each spot
+    in another stage's layer holds a placeholder of its own (:func:`untie`): ``named_parameters()`` listed a tie once
+    per stage holding it and once per placeholder, so a count over the model was too large (a learning rate scaled
+    by it, silently off one device) and a param group selected by name got the copy under another name on the
+    stages holding a later spot (refused as groups that differ). Here every spot holds this stage's copy (or, where
+    it holds none, the first spot's placeholder, which the optimizers drop), so the tie is listed once, under its
+    one-device name, on every stage.
+    """
+    swapped: list[tuple[str, nn.Parameter]] = []
+    for tie in ties:
+        kept = module.get_parameter(tie.spot_on(stage) if stage in tie.stages else tie.name)
+        for spot in tie.spots:
+            current = module.get_parameter(spot)
+            if current is not kept:
+                swapped.append((spot, current))
+                _set_parameter(module, spot, kept)
+
+    def put_back() -> None:
+        for spot, parameter in reversed(swapped):
+            _set_parameter(module, spot, parameter)
+
+    return put_back
 
 
 def _checksum(t: Tensor) -> Tensor:
