@@ -33,7 +33,7 @@ def sgd(params):
 
 
 def trainer(args: argparse.Namespace, epochs: int, name: str) -> L.Trainer:
-    checkpoint = ModelCheckpoint(  # a directory per phase: the fine-tune's is not the pretraining's, with its file
+    checkpoint = ModelCheckpoint(  # a directory per phase: Lightning warns of a checkpoint directory already in use
         dirpath=os.path.join(args.out, name), filename=name, save_on_train_epoch_end=True, enable_version_counter=False
     )  # a rerun overwrites its files
     return L.Trainer(

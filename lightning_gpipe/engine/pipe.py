@@ -7,7 +7,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, NoReturn, Optional, Union
 
 import torch
@@ -230,10 +230,6 @@ def check_seed(seed: Any) -> None:
             f"`seed` must be an integer (the root of the pipeline's random streams) or None (the first stage's "
             f"torch.initial_seed(), which seed_everything sets), got {seed!r}."
         )
-
-
-def _nothing() -> None:
-    """Nothing to put back."""
 
 
 class GPipe(nn.Module):
@@ -720,17 +716,16 @@ class GPipe(nn.Module):
         parameters from them (:func:`~lightning_gpipe.engine.optimizers.accept_empty_parameter_lists`)."""
         own = self._modules
         outermost = self._all_layers == 0 and self.layout.pipe_size > 1
-        put_back: Callable[[], None] = _nothing
         if outermost:
             whole = OrderedDict((name, self._layer(i)) for i, name in enumerate(self.layer_names))
             self._modules = whole  # type: ignore[assignment]
-            put_back = one_parameter_per_tie(self, self.ties.ties, self.stage)  # a tie listed once, as on one device
         self._all_layers += 1
         try:
-            yield
+            # a tie listed once, under its one-device name (each spot in another stage's layer holds a placeholder)
+            with one_parameter_per_tie(self, self.ties.ties, self.stage) if outermost else nullcontext():
+                yield
         finally:
             self._all_layers -= 1
-            put_back()
             self._modules = own
 
     def __iter__(self) -> Iterator[nn.Module]:

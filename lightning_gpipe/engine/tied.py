@@ -14,7 +14,8 @@ loudly. The canonical name of a tie is its first name in a one-device ``named_pa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -121,8 +122,9 @@ def untie(module: nn.Sequential, ties: list[Tie], stage: int) -> None:
                 )
 
 
-def one_parameter_per_tie(module: nn.Module, ties: list[Tie], stage: int) -> Callable[[], None]:
-    """Make every spot of each tie hold one Parameter, as on one device; returns what puts the spots back.
+@contextmanager
+def one_parameter_per_tie(module: nn.Module, ties: list[Tie], stage: int) -> Iterator[None]:
+    """Within, every spot of each tie holds one Parameter, as on one device; the spots are put back at the exit.
 
     For listings of the whole model (``GPipe.all_layers``, while ``configure_optimizers`` runs), where each spot
     in another stage's layer holds a placeholder of its own (:func:`untie`): ``named_parameters()`` listed a tie once
@@ -133,19 +135,18 @@ def one_parameter_per_tie(module: nn.Module, ties: list[Tie], stage: int) -> Cal
     one-device name, on every stage.
     """
     swapped: list[tuple[str, nn.Parameter]] = []
-    for tie in ties:
-        kept = module.get_parameter(tie.spot_on(stage) if stage in tie.stages else tie.name)
-        for spot in tie.spots:
-            current = module.get_parameter(spot)
-            if current is not kept:
-                swapped.append((spot, current))
-                _set_parameter(module, spot, kept)
-
-    def put_back() -> None:
+    try:
+        for tie in ties:
+            kept = module.get_parameter(tie.spot_on(stage) if stage in tie.stages else tie.name)
+            for spot in tie.spots:
+                current = module.get_parameter(spot)
+                if current is not kept:
+                    swapped.append((spot, current))
+                    _set_parameter(module, spot, kept)
+        yield
+    finally:
         for spot, parameter in reversed(swapped):
             _set_parameter(module, spot, parameter)
-
-    return put_back
 
 
 def _checksum(t: Tensor) -> Tensor:
