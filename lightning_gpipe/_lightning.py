@@ -50,6 +50,7 @@ from lightning_gpipe.checkpointing.files import atomic_write
 from lightning_gpipe.checkpointing.model_state import meta_state_allowed
 from lightning_gpipe.engine.failure import exit_without_finalizers
 from lightning_gpipe.engine.pipe import GPipe
+from lightning_gpipe.engine.rng import isolated_rng
 
 __all__ = [
     "MainProcessLauncher",
@@ -61,12 +62,13 @@ __all__ = [
     "finetuning_callbacks",
     "finetuning_group_names",
     "first_batch",
-    "hand_over_dataloaders",
     "init_process_group",
     "launcher",
     "log_to_loggers",
     "optimizers_to_device",
+    "restart_training_iterator",
     "restore_finetuning_param_groups",
+    "sample_loaders",
     "seed_workers",
     "should_update_logs",
     "silence_sync_dist_advice",
@@ -369,28 +371,51 @@ def _running_loop(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
     return loops.get(trainer.state.fn)  # type: ignore[arg-type]
 
 
-def hand_over_dataloaders(trainer: "pl.Trainer") -> None:
-    """Build the running stage's dataloaders now, through the user's hook, and hand them to Lightning's first request.
+def sample_loaders(trainer: "pl.Trainer") -> Optional[Any]:
+    """The running stage's loaders, built now for the profile's first batch (:func:`first_batch`) and dropped then.
 
-    Rank 0 profiles the backbone on the first batch during setup, before Lightning asks for the loaders. Asking
-    the user's ``*_dataloader`` hook (of the module or the datamodule) there, on rank 0 alone, called it once
-    more on that rank than on the others and on one device: a hook that counts its calls (a curriculum), or
-    joins a collective, set rank 0 apart. Every rank calls this at the same point instead, and Lightning's own
-    request then takes the loaders built here: each rank calls the hook as often as one device does (later
-    requests, ``reload_dataloaders_every_n_epochs``, call it again). The loops' ``_data_source`` is private; the
-    request is Lightning's own ``_request_dataloader``, so the loaders keep the arguments Lightning records to
-    rebuild them with its sampler.
+    Rank 0 profiles the backbone on the first batch during setup, before Lightning asks for the loaders, so a
+    loader hook (the module's or the datamodule's ``*_dataloader``) is called here, once, on every rank at the
+    same point: a hook that joins a collective (a seed broadcast from rank 0) meets the other ranks' call. The
+    loaders Lightning trains on are not these: its own request calls the hook again at its usual point, after a
+    resume has restored the datamodule's and the module's state and after the ``on_fit_start`` hooks, so they
+    are built from the state they set, as on one device. (Handed over to that request instead, a resumed
+    datamodule's level of difficulty was the one before the restore: 0.17 off one device, silently.) The call
+    here runs with every random generator put back afterwards, so a hook that draws its data at random draws it
+    at Lightning's request as on one device. A hook called for its count is called once more than on one
+    device, as Lightning's own ``estimated_stepping_batches`` and DeepSpeed's batch-size lookup call it. Loaders
+    given to ``fit`` are the user's objects: no hook runs. ``None`` where the stage has no loaders.
     """
     running = _running_loop(trainer)
     if running is None:
-        return
+        return None
     loop = running[0]
-    source = loop._data_source  # private: see the docstring
-    if not source.is_module() or not source.is_defined() or _handed_over(source) is not None:
+    source = loop._data_source  # private: Lightning has no public accessor (its DeepSpeedStrategy reads it too)
+    if not source.is_defined():
+        return None
+    kept = _kept_loaders(loop)
+    if kept is not None:  # Lightning will not ask: it keeps the loaders of an earlier fit
+        return kept
+    device = trainer.strategy.root_device
+    with isolated_rng(device, everything=True):
+        return _request_dataloader(source)
+
+
+def restart_training_iterator(trainer: "pl.Trainer", loader: Any) -> None:
+    """Make the fit loop's training iterator anew where it holds ``loader`` and has begun iterating.
+
+    Lightning begins the training iterator where it sets up the training data (``FitLoop.setup_data``), and a
+    resumed fit goes on with that iterator. Set up before the checkpoint was read (``estimated_stepping_batches``
+    read in ``configure_optimizers`` sets it up then), it began the epoch from its start, before the loader was
+    given its position (``resumable``): begun again, it starts at the position. Private: the loop's
+    ``_data_fetcher``, whose ``iter()`` is the call Lightning itself makes to begin an epoch.
+    """
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    combined = getattr(fetcher, "_combined_loader", None)
+    if fetcher is None or combined is None or fetcher.iterator is None:
         return
-    if _kept_loaders(loop) is not None:  # Lightning will not ask: it keeps the loaders of an earlier fit
-        return
-    source.dataloader = _HandedOver(source, _request_dataloader(source))
+    if any(held is loader for held in combined.flattened):
+        iter(fetcher)
 
 
 def _kept_loaders(loop: Any) -> Optional[list[Any]]:
@@ -404,51 +429,13 @@ def _kept_loaders(loop: Any) -> Optional[list[Any]]:
     return list(kept.flattened)
 
 
-class _HandedOver:
-    """A loop's ``_data_source.dataloader`` until Lightning's first request: the loaders built early, once, from
-    the module or datamodule the source held then."""
-
-    def __init__(self, source: Any, loaders: Any) -> None:
-        self.source, self.loaders, self.instance = source, loaders, source.instance
-
-    def __call__(self) -> Any:
-        del self.source.dataloader  # back to the class's method: a later request calls the hook
-        return self.loaders if self.source.instance is self.instance else self.source.dataloader()
-
-
-def _handed_over(source: Any) -> Optional[_HandedOver]:
-    """The loaders built early for ``source`` and not requested yet; ``None`` if none, or if they were built from
-    another module or datamodule (a fit that failed before its request, then a fit with other data)."""
-    pending = vars(source).get("dataloader")
-    return pending if isinstance(pending, _HandedOver) and source.instance is pending.instance else None
-
-
-def first_batch(trainer: "pl.Trainer") -> Optional[tuple[Any, str, str]]:
-    """The first batch of the running stage's dataloader, the step that takes it, and the loader's name.
-
-    Lightning attaches the dataloaders (from ``fit(model, loader)``, a datamodule or the module's
-    hooks) to its loops before ``Strategy.setup`` but requests them only later, and it has no
-    public accessor for them: the loops' ``_data_source`` is the one way (Lightning's own
-    DeepSpeedStrategy reads it in its setup too). Loaders from a hook are the ones
-    :func:`hand_over_dataloaders` built, not a second call of the hook. ``None`` if there is no
-    dataloader or it is empty.
-    """
+def first_batch(trainer: "pl.Trainer", loaders: Any) -> Optional[tuple[Any, str, str]]:
+    """The first batch of ``loaders`` (:func:`sample_loaders`), the step that takes it, and the loader's name;
+    ``None`` if there is no dataloader or it is empty."""
     running = _running_loop(trainer)
-    if running is None:
+    if running is None or loaders is None:
         return None
-    loop, step, name = running
-    source = loop._data_source  # private: see the docstring
-    if not source.is_defined():
-        return None
-    kept, pending = _kept_loaders(loop), _handed_over(source)
-    if kept is not None:
-        loaders: Any = kept
-    elif pending is not None:
-        loaders = pending.loaders
-    else:
-        loaders = source.dataloader()
-    if loaders is None:
-        return None
+    _, step, name = running
     mode: Literal["max_size_cycle", "sequential"] = (
         "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
     )

@@ -105,11 +105,37 @@ def run(args: ArgsType = None) -> GPipeCLI:
 
 
 def parse_bytes(text: str) -> float:
-    """``"16GiB"``, ``"512MB"``, ``"1e9"``: a number of bytes, for argparse (see :func:`~.plan.auto.parse_bytes`)."""
+    """``"16GiB"``, ``"512MB"``, ``"1e9"``: a positive number of bytes, for argparse (see
+    :func:`~.plan.auto.parse_bytes`)."""
     try:
-        return auto_bytes(text)
+        number = auto_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if not number > 0 or number != number:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
+    return number
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1, for argparse: 0 stages, micro-batches, threads, sweeps or rows mean nothing."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return number
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds of at least 0, for argparse."""
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds, 0 or more")
+    return number
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -119,17 +145,22 @@ def _plan_parser() -> argparse.ArgumentParser:
         "checkpoint mode, from a profile of the config's backbone on this machine; mark the fastest that fits.",
     )
     parser.add_argument("--config", required=True, help="a `lightning-gpipe fit` config (YAML)")
-    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8], help="the K to plan for")
-    parser.add_argument("--chunks", type=int, nargs="+", help="the M to try (default: powers of 2 to the batch size)")
+    parser.add_argument("--devices", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="the K to plan for")
+    parser.add_argument(
+        "--chunks", type=positive_int, nargs="+", help="the M to try (default: powers of 2 to the batch size)"
+    )
     parser.add_argument("--memory", type=parse_bytes, help="memory per device, e.g. 16GiB (default: no cap)")
     parser.add_argument("--bandwidth", type=parse_bytes, help="bytes per second between stages (default: unlimited)")
-    parser.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages")
-    parser.add_argument("--device", default="cpu", help="where to profile the layers (cpu, cuda)")
-    parser.add_argument("--repeats", type=int, default=5, help="profiling sweeps per micro-batch size")
+    parser.add_argument("--latency", type=seconds, default=0.0, help="seconds per message between stages")
+    parser.add_argument("--device", default="cpu", help="where to profile the layers (cpu, cuda, cuda:1)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="profiling sweeps per micro-batch size")
     parser.add_argument(
-        "--threads", type=int, default=1, help="CPU threads while profiling: a stage's share of the cores (default 1)"
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="CPU threads while profiling: a stage's share of the cores (default 1)",
     )
-    parser.add_argument("--rows", type=int, default=8, help="rows of each K's table (fastest first)")
+    parser.add_argument("--rows", type=positive_int, default=8, help="rows of each K's table (fastest first)")
     parser.add_argument("--out", help="write every prediction here as JSON")
     return parser
 
@@ -138,7 +169,9 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
     """``lightning-gpipe plan``: see the module's docstring. Returns what ``--out`` writes."""
     import torch
 
-    options = _plan_parser().parse_args(args)
+    parser = _plan_parser()
+    options = parser.parse_args(args)
+    device = _profiling_device(parser, options.device)
     torch.set_num_threads(options.threads)  # more threads than cores, over K processes, would time contention
     for message, category in LIBRARY_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=category)
@@ -166,9 +199,7 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
     sample, _ = backbone_sample(module, backbone, name, 1, (batch, "training_step", "train dataloader"))
     batch_size = microbatch.batch_size(sample)
     grid = options.chunks or chunk_grid(batch_size)
-    model = profile_for_plan(
-        backbone, sample, micro_batch_sizes(batch_size, grid), torch.device(options.device), repeats=options.repeats
-    )
+    model = profile_for_plan(backbone, sample, micro_batch_sizes(batch_size, grid), device, repeats=options.repeats)
     link = LinkModel(bandwidth=options.bandwidth or float("inf"), latency=options.latency)
     report: dict[str, Any] = {"config": options.config, "batch_size": batch_size, "memory": options.memory}
     report["link"] = {"bandwidth": link.bandwidth, "latency": link.latency}
@@ -194,6 +225,23 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
     return report
 
 
+def _profiling_device(parser: argparse.ArgumentParser, name: str) -> Any:
+    """``--device`` as a torch device this machine has; otherwise argparse's usage error, before any profiling."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        parser.error(f"argument --device: {name!r} is not a torch device ({error}); give cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {name!r}, but this machine has no usable CUDA device; profile on cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"argument --device: {name!r}, but this machine has {torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: {name!r}: the planner profiles on cpu or cuda")
+    return device
+
+
 def _row(candidate: Any) -> dict[str, Any]:
     p = candidate.prediction
     return {
@@ -215,8 +263,15 @@ def main() -> None:
     """The ``lightning-gpipe`` console script: ``plan`` here, every other subcommand LightningCLI's."""
     if sys.argv[1:2] == ["plan"]:
         plan_command(sys.argv[2:])
-    else:
-        run()
+        return
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # LightningCLI's help lists its own subcommands only
+        print(
+            "lightning-gpipe plan --config CONFIG [--devices K ...] ...: predict step time, bubble and memory per "
+            "K, M and checkpoint mode (see `lightning-gpipe plan --help`).\nThe other subcommands are "
+            "LightningCLI's:\n",
+            flush=True,
+        )
+    run()
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ def sync_batchnorm(layer_sync: Any, module: nn.Module, processes: int) -> None:
         f"{f' and {len(norms) - 1} more' if len(norms) > 1 else ''}): SyncBatchNorm reduces its statistics over "
         "every process of the job, and the "
         "processes of a pipeline hold different layers, so a stage's BatchNorm would wait for stages that never "
-        "run it. For statistics over the whole batch, not each micro-batch, use "
-        "GPipeStrategy(deferred_batch_norm=True), and leave sync_batchnorm unset."
+        "run it. Leave sync_batchnorm unset. For running statistics over the whole batch, not each micro-batch, use "
+        "GPipeStrategy(deferred_batch_norm=True) (training still normalizes each micro-batch); to normalize over "
+        "the whole batch too, use chunks=1."
     )
 
 

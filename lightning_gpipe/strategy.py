@@ -39,11 +39,12 @@ from lightning_gpipe._lightning import (
     finetuning_group_names,
     first_batch,
     graph_loggers,
-    hand_over_dataloaders,
     init_process_group,
     launcher,
     optimizers_to_device,
+    restart_training_iterator,
     restore_finetuning_param_groups,
+    sample_loaders,
     seed_workers,
     silence_not_resumable_warning,
     silence_sync_dist_advice,
@@ -199,7 +200,8 @@ class GPipeStrategy(ParallelStrategy):
             their activations in the forward and recompute them in the backward. ``"auto"``: the
             planner's choice, as for ``chunks``.
         max_memory: bytes per device the ``"auto"`` choices must fit in (a number, or a size such as
-            ``"16GiB"``); by default a CUDA device's total memory, and no cap on the CPU.
+            ``"16GiB"``); by default a CUDA device's total memory, and no cap on the CPU. Given with no
+            ``"auto"`` setting, it is refused: nothing would be fitted into it.
         backbone: the attribute (a dotted path is allowed) that holds the Sequential.
         pipe_size: stages per pipeline; the default is every device of a node. With fewer, the
             processes form ``world_size // pipe_size`` data-parallel replicas of the pipeline.
@@ -277,10 +279,10 @@ class GPipeStrategy(ParallelStrategy):
                 f"got {balance!r}."
             )
         if balance is not None and not isinstance(balance, str):
-            check_balance_entries(balance)  # the count and the sum need the backbone: checked at setup
+            balance = check_balance_entries(balance)  # the count and the sum need the backbone: checked at setup
         try:
             if chunks != AUTO:
-                microbatch.check_chunks(chunks)
+                chunks = microbatch.check_chunks(chunks)
             if checkpoint != AUTO:
                 check_checkpoint_mode(checkpoint)
         except ValueError as error:
@@ -296,6 +298,14 @@ class GPipeStrategy(ParallelStrategy):
             raise ValueError(
                 f"`max_memory` must be a positive number of bytes per device (or a size such as '16GiB'), got "
                 f"{max_memory!r}."
+            )
+        if max_memory is not None and AUTO not in (balance, chunks, checkpoint):
+            raise ValueError(
+                f"`max_memory` bounds the planner's 'auto' choices, but none of chunks={chunks!r}, "
+                f"checkpoint={checkpoint!r}, balance={balance!r} is 'auto', so nothing would be fitted into it (it "
+                "would be ignored). "
+                "Set chunks, checkpoint or balance to 'auto' for the planner to choose them within max_memory, or "
+                "drop max_memory."
             )
         for name, seconds in (
             ("timeout", timeout),
@@ -314,8 +324,10 @@ class GPipeStrategy(ParallelStrategy):
         self.auto_choice: Optional[AutoChoice] = None
         if not isinstance(backbone, str) or not backbone:
             raise ValueError(f"`backbone` must name the attribute that holds the nn.Sequential, got {backbone!r}.")
-        if pipe_size is not None and (not isinstance(pipe_size, int) or pipe_size < 1):
+        size = microbatch.whole_number(pipe_size) if pipe_size is not None else None
+        if pipe_size is not None and (size is None or size < 1):
             raise ValueError(f"`pipe_size` must be a positive integer, got {pipe_size!r}.")
+        pipe_size = size
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"`state_dict_type` must be 'full' or 'sharded', got {state_dict_type!r}.")
         if not isinstance(split_backward, bool):
@@ -669,14 +681,14 @@ class GPipeStrategy(ParallelStrategy):
         if stages > 1 and self.global_rank in (0, 1):  # the link between two stages, as the pipeline will use it
             link = measure_link(1 - self.global_rank, device=self.root_device)
 
-        def plan_here() -> Any:
+        def plan_here(batch: Optional[tuple[Any, str, str]]) -> Any:
             module = self.lightning_module
             assert module is not None
             cap = self.max_memory
             if cap is None and self.root_device.type == "cuda":
                 cap = torch.cuda.get_device_properties(self.root_device).total_memory
             with isolated_rng(self.root_device, everything=True):
-                sample, _ = backbone_sample(module, sequential, self.backbone, 1, first_batch(module.trainer))
+                sample, _ = backbone_sample(module, sequential, self.backbone, 1, batch)
                 outcome, _ = choose(
                     sequential,
                     sample,
@@ -704,11 +716,11 @@ class GPipeStrategy(ParallelStrategy):
     def _measure_costs(self, sequential: nn.Sequential) -> LayerCosts:
         """Profile on global rank 0 only and broadcast, so that every rank builds the same split."""
 
-        def profile_here() -> LayerCosts:
+        def profile_here(batch: Optional[tuple[Any, str, str]]) -> LayerCosts:
             module = self.lightning_module
             assert module is not None
             with isolated_rng(self.root_device, everything=True):
-                whole, origin = backbone_input(module, sequential, self.backbone, first_batch(module.trainer))
+                whole, origin = backbone_input(module, sequential, self.backbone, batch)
                 sample, where = described(sample_micro_batch(whole, self.chunks), origin)
                 costs = profile_layers(
                     sequential, sample, self.root_device, context=self.precision_plugin.forward_context
@@ -724,13 +736,18 @@ class GPipeStrategy(ParallelStrategy):
 
         return self._from_rank_zero_on_the_first_batch(profile_here)
 
-    def _from_rank_zero_on_the_first_batch(self, compute: Callable[[], Any]) -> Any:
-        """:meth:`_from_rank_zero` for a ``compute`` that takes the first batch (``first_batch``): every rank first
-        builds its loaders at this point (``hand_over_dataloaders``), so that each calls a loader hook alike."""
+    def _from_rank_zero_on_the_first_batch(self, compute: Callable[[Optional[tuple[Any, str, str]]], Any]) -> Any:
+        """:meth:`_from_rank_zero` for a ``compute`` of the running stage's first batch (``first_batch``): every
+        rank builds the loaders at this point (``sample_loaders``), so that each calls a loader hook alike."""
         trainer = self._trainer()
-        if trainer is not None:
-            hand_over_dataloaders(trainer)
-        return self._from_rank_zero(compute)
+        loaders = sample_loaders(trainer) if trainer is not None else None
+
+        def with_the_batch() -> Any:
+            with isolated_rng(self.root_device, everything=True):  # a loader's transforms draw as the run will
+                batch = first_batch(trainer, loaders) if trainer is not None else None
+            return compute(batch)
+
+        return self._from_rank_zero(with_the_batch)
 
     def _from_rank_zero(self, compute: Callable[[], Any]) -> Any:
         """``compute()`` on global rank 0, broadcast; if it raises there, every rank raises alike (collective)."""
@@ -754,6 +771,7 @@ class GPipeStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self._last_loss = None
+        self._loaders = []  # this run's: a checkpoint's position goes to no earlier fit's loader
         self._sigterm.install(trainer)  # before the Trainer registers its signal handlers
         self._requeue.install(trainer, self.cluster_environment, self.world_size)
         self._interrupt.install(trainer, self.world_size, self.global_rank)
@@ -1547,6 +1565,12 @@ class GPipeStrategy(ParallelStrategy):
             # for the training loader the loop makes next; a `validate`/`test`/`predict(ckpt_path=...)` restores the
             # weights only, as on one device, and must not leave the position to a later `fit`'s loader
             self._loader_position = saved["loader"]
+            if self._loaders and hasattr(self._loaders[0], "restore") and trainer is not None:
+                # built before the restore, in this fit (`estimated_stepping_batches` read in configure_optimizers):
+                # Lightning keeps it, and the iterator it began then, so the epoch begins again from the position
+                self._loaders[0].restore(self._loader_position)
+                self._loader_position = None
+                restart_training_iterator(trainer, self._loaders[0])
             silence_not_resumable_warning()
         return checkpoint
 

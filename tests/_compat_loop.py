@@ -55,6 +55,25 @@ def reloaded_every_epoch() -> Scenario:
     return Scenario(Reloaded(), train=None, trainer={"reload_dataloaders_every_n_epochs": 1, "max_epochs": 3})
 
 
+class LevelSetAtFitStart(Base):
+    """A training loader whose data depend on state set in ``on_fit_start`` (a curriculum's level), drawn at random
+    in the hook from the global generator (which the harness seeds)."""
+
+    level = 0
+
+    def on_fit_start(self) -> None:
+        self.level = 1
+
+    def train_dataloader(self) -> DataLoader:
+        self.record.setdefault("levels", []).append(self.level)
+        x = torch.randn(len(_data()), FEATURES) * (1 + self.level)
+        return DataLoader(torch.utils.data.TensorDataset(x, _data().tensors[1]), batch_size=BATCH, shuffle=True)
+
+
+def loader_state_set_in_on_fit_start() -> Scenario:
+    return Scenario(LevelSetAtFitStart(), train=None)
+
+
 class TwoSources(Base):
     """Two training loaders at once (``CombinedLoader``): one batch of each per step, one of them shuffled."""
 
@@ -549,6 +568,7 @@ SCENARIOS = {
         simple_profiler,
         advanced_profiler,
         reloaded_every_epoch,
+        loader_state_set_in_on_fit_start,
         combined_loader,
         two_validation_loaders,
         batch_transfer_hooks,

@@ -368,3 +368,24 @@ def checkpointed_backbone(rank: int, world_size: int, reentrant: bool) -> dict:
     pipe.close()
     dist.destroy_process_group()
     return {"grads": grads, "input_grad": x.grad.clone()}
+
+
+def targets_of_another_rank(rank: int, world_size: int, checked: bool) -> str:
+    """Rank 1's targets differ; ``checked``: the step's fingerprint covers them (``pipe.batch_fingerprint``). What the
+    call raised, or the loss (which the gradients, from the last stage's targets, do not follow on rank 0)."""
+    from lightning_gpipe import GPipe
+    from lightning_gpipe.engine.microbatch import fingerprint
+
+    dist.init_process_group("gloo")
+    pipe = GPipe(model(), [4, 4], chunks=2)
+    x, y = data()
+    y = (y + rank) % 3
+    batch = {"x": x, "scale": 2.0}
+    if checked:
+        pipe.batch_fingerprint = fingerprint((batch, y))
+    try:
+        return f"loss {F.cross_entropy(pipe(batch), y).item():.6f}"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        pipe.close()

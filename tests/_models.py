@@ -85,6 +85,10 @@ INPLACE_BALANCE = {1: [8], 2: [2, 6], 3: [2, 2, 4], 4: [2, 2, 2, 2]}
 class Net(L.LightningModule):
     """A backbone Sequential and a small head outside it; records what the tests compare."""
 
+    #: read ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (a OneCycleLR's total), which sets the
+    #: training data up then, before a resume reads its checkpoint
+    estimate_steps = False
+
     def __init__(
         self,
         optimizer: str = "sgd",
@@ -133,6 +137,8 @@ class Net(L.LightningModule):
             self.first_grads = {n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None}
 
     def configure_optimizers(self):
+        if self.estimate_steps:
+            self.estimated_steps = self.trainer.estimated_stepping_batches
         optimizer = self._optimizer()
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         # what the optimizer holds on this rank (named_parameters() lists the whole model while it is built)

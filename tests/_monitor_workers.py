@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import warnings
 from typing import Any
 
 import _models as M
@@ -23,8 +24,11 @@ def monitored_fit(
     trainer = L.Trainer(
         strategy=GPipeStrategy(chunks=chunks, checkpoint=checkpoint), devices=world_size, callbacks=[monitor], **kwargs
     )
-    trainer.fit(M.Net(), M.loader(batch_size=12, samples=72))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(M.Net(), M.loader(batch_size=12, samples=72))
     result: dict[str, Any] = {
+        "warned": [str(w.message) for w in caught if str(w.message).startswith("PipelineMonitor")],
         "progress_bar": dict(trainer.progress_bar_metrics),
         "logged_metrics": {k: float(v) for k, v in trainer.logged_metrics.items()},
     }

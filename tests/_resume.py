@@ -49,6 +49,7 @@ def run(
     directory: str = "",
     seed: int = 0,
     frozen: bool = False,
+    estimate_steps: bool = False,
 ) -> dict[str, Any]:
     """Train (or resume) and return the weights; ``save_every`` keeps a checkpoint every that many steps.
 
@@ -57,6 +58,7 @@ def run(
     """
     L.seed_everything(seed, verbose=False)
     model = M.Net(optimizer, **(RANDOM if random else {}))
+    model.estimate_steps = estimate_steps
     if frozen:
         model.backbone[0].weight.requires_grad_(False)
     callbacks = []
@@ -64,7 +66,8 @@ def run(
         callbacks.append(
             ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)
         )
-    trainer = _trainer(devices, strategy or {}, max_steps, callbacks)
+    # with max_epochs the estimate counts the training batches, setting the training data up then (else: max_steps)
+    trainer = _trainer(devices, strategy or {}, max_steps, callbacks, **({"max_epochs": 2} if estimate_steps else {}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, M.loader(shuffle=shuffle), ckpt_path=ckpt_path)
@@ -109,6 +112,13 @@ def resume_everything(rank: int, world_size: int, directory: str, one_device_ckp
             out[f"resumed {optimizer} at {stop}"] = run(
                 world_size, optimizer, seed=1, ckpt_path=os.path.join(where, f"step={stop}.ckpt")
             )
+        out[f"resumed {optimizer} at 3 reading the estimated steps"] = run(
+            world_size,
+            optimizer,
+            seed=1,
+            ckpt_path=os.path.join(directory, f"{optimizer}-3", "step=3.ckpt"),
+            estimate_steps=True,
+        )
     for kind in ("full", "sharded"):
         path = os.path.join(directory, f"{kind}-k3", "step=3.ckpt")
         out[f"from k3 {kind}"] = run(

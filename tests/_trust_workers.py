@@ -172,6 +172,19 @@ class PerRankStream(IterableDataset):
             yield torch.randn(M.FEATURES, generator=generator), torch.randint(0, M.CLASSES, (), generator=generator)
 
 
+class OnePassStream(IterableDataset):
+    """A stream that can be read once (a generator over a pipe): ``__iter__`` returns the same iterator every time.
+    The same samples on every rank; the default balance's profile takes rank 0's first batch at setup."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        samples = [(torch.randn(M.FEATURES, generator=generator), torch.randint(0, M.CLASSES, ())) for _ in range(40)]
+        self.stream = iter(samples)
+
+    def __iter__(self):
+        return self.stream
+
+
 class UnseededText(Dataset):
     """Words drawn by a generator of its own, never seeded, with fixed labels: each process reads other text."""
 
@@ -225,6 +238,8 @@ def different_batches(rank: int, world_size: int, cause: str) -> None:
         data = DataLoader(NoisyDigits(), batch_size=8)
     elif cause == "per-rank iterable":
         data = DataLoader(PerRankStream(), batch_size=8)
+    elif cause == "one-pass stream":
+        data = DataLoader(OnePassStream(), batch_size=8)
     elif cause == "unseeded text":
         _fit(TextNet(), world_size, data=DataLoader(UnseededText(), batch_size=8))
         return
@@ -825,3 +840,19 @@ def validations_of_different_lengths(rank: int, world_size: int) -> None:
     settings = M.trainer_kwargs(limit_val_batches=None, use_distributed_sampler=False)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **settings)
     trainer.fit(LogsInputs(), M.loader(), M.loader(samples=40 if rank == 0 else 24))
+
+
+def rank_zero_collective_between_runs(rank: int, world_size: int) -> None:
+    """After ``fit``, rank 0 alone reads ``trainer.log_dir`` (Lightning broadcasts it), then every rank validates:
+    rank 1's validation waits for a rank 0 that is still in the broadcast."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = M.Net()
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2, failure_timeout=3.0), devices=world_size, **M.trainer_kwargs(max_steps=2)
+    )
+    trainer.fit(model, M.loader())
+    if trainer.global_rank == 0:
+        print(trainer.log_dir)
+    trainer.validate(model, M.loader(), verbose=False)

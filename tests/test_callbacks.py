@@ -13,8 +13,14 @@ from lightning_gpipe import PipelineMonitor
 from lightning_gpipe.engine.schedule import bubble_fraction
 from lightning_gpipe.launch import run_ok
 
-#: K -> (chunks, checkpoint mode, traced steps)
-SETUPS = {2: (4, "except_last", [1, 3]), 3: (3, "always", [2])}
+#: K -> (chunks, checkpoint mode, traced steps); the fits run 6 training batches, so batch 99 never runs
+SETUPS = {2: (4, "except_last", [1, 3]), 3: (3, "always", [2, 99])}
+FIT_BATCHES = 6
+
+
+def _traced(stages):
+    """The traced steps that ran."""
+    return [step for step in SETUPS[stages][2] if step < FIT_BATCHES]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +43,8 @@ def _boxes(trace):
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_trace_holds_one_box_per_stage_micro_batch_and_pass(monitored, stages):
-    chunks, checkpoint, steps = SETUPS[stages]
+    chunks, checkpoint, _ = SETUPS[stages]
+    steps = _traced(stages)
     trace = monitored(stages)[0]["trace"]
     counts = Counter((e["args"]["step"], e["cat"]) for e in _boxes(trace))
     recomputed = chunks if checkpoint == "always" else chunks - 1
@@ -70,8 +77,21 @@ def test_boxes_follow_the_fill_drain_order_across_processes(monitored, stages):
             continue
         assert start >= boxes[(step, kind, previous, micro)][1], (step, kind, stage, micro)
         checked += 1
-    chunks, _, steps = SETUPS[stages]
-    assert checked == 2 * (stages - 1) * chunks * len(steps)
+    assert checked == 2 * (stages - 1) * SETUPS[stages][0] * len(_traced(stages))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_trace_step_the_fit_never_reached_is_warned_about_on_rank_0(monitored, stages):
+    # before: PipelineMonitor(trace_steps=[100]) on a 4-batch fit wrote no trace and said nothing
+    warned = [r["warned"] for r in monitored(stages)]
+    if stages == 2:  # every traced step ran
+        assert warned == [[], []]
+        return
+    assert warned[1:] == [[], []]
+    assert warned[0] == [
+        "PipelineMonitor(trace_steps=[2, 99]): the fit ran 6 training batches (0 to 5), so batch [99] never ran and "
+        "the trace holds the others. Give trace_steps below the number of training batches of the fit."
+    ]
 
 
 @pytest.mark.parametrize("stages", [2, 3])

@@ -197,12 +197,23 @@ def test_device_stats_monitor_logs_the_one_device_keys_on_rank_zero(runs):
     assert keys(ranks[0]["logged"]) == keys(want["logged"]) and ranks[1]["logged"] is None
 
 
-def test_loaders_rebuilt_every_epoch_by_a_hook_with_a_collective_are_built_as_often_as_on_one_device(runs):
-    # rank 0 profiles the backbone on the first batch during setup: it called the hook once more than the
-    # other ranks (4 against 3), and alone, so the hook's broadcast met the other ranks' wait for the profile
+def test_loaders_rebuilt_every_epoch_by_a_hook_with_a_collective_train_as_on_one_device_and_every_rank_builds_alike(
+    runs,
+):
+    # rank 0 profiles the backbone on the first batch during setup: once it called the hook alone (4 against 3), so
+    # the hook's broadcast met the other ranks' wait for the profile. Every rank now calls it there, for the sample
     want, ranks = _check("reloaded_every_epoch", runs)
     assert want["record"]["loaders_built"] == 3  # once per epoch
-    assert [got["record"]["loaders_built"] for got in ranks] == [3, 3]
+    assert [got["record"]["loaders_built"] for got in ranks] == [4, 4]  # and once more at setup, on every rank
+
+
+def test_a_loader_built_from_state_set_in_on_fit_start_is_the_one_device_loader(runs):
+    # before: the loader built at setup for the profile was handed to Lightning, so the pipeline trained on level 0's
+    # data (0.144 off one device, silently); the hook also draws its data at random, which the early call must not
+    # shift (it runs with the generators put back)
+    want, ranks = _check("loader_state_set_in_on_fit_start", runs)
+    assert want["record"]["levels"] == [1]
+    assert [got["record"]["levels"] for got in ranks] == [[0, 1], [0, 1]]
 
 
 def test_two_validation_loaders_log_each_loaders_value_as_on_one_device(runs):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _engine_workers import checkpointed_backbone, plain_pipeline, reference
+from _engine_workers import checkpointed_backbone, plain_pipeline, reference, targets_of_another_rank
 from torch import nn
 
 from lightning_gpipe import GPipe
@@ -17,6 +17,19 @@ from lightning_gpipe.engine.pipe import _CALL_HOOKS, OWN_ATTRIBUTES, _called_asi
 from lightning_gpipe.engine.stage_copy import StageCopy
 from lightning_gpipe.engine.tied import find_ties
 from lightning_gpipe.launch import run_ok, run_processes
+
+
+def test_plain_pytorch_targets_are_checked_across_stages_once_the_steps_fingerprint_covers_them():
+    # the engine sees the pipe's input alone: targets that differ on rank 1 trained from the last stage's while rank
+    # 0 reported a loss of its own; the fingerprint of (input, targets), set as the README shows, stops the call
+    unchecked = run_ok(targets_of_another_rank, 2, False, timeout=120)
+    assert unchecked[0].startswith("loss ") and unchecked[1].startswith("loss ") and unchecked[0] != unchecked[1]
+    checked = run_processes(targets_of_another_rank, 2, True, timeout=120)
+    assert checked.exitcodes == [0, 0], checked.errors
+    assert checked.results[1].startswith("PipelineError: stage 0 (rank 0) and stage 1 hold different batches in"), (
+        checked.results
+    )
+    assert not checked.results[0].startswith("loss ")  # rank 0 learns of it too, instead of training on
 
 
 def test_plain_pytorch_two_process_pipeline_matches_one_process_without_lightning_from_rank_zeros_weights():

@@ -86,6 +86,25 @@ def test_explicit_balance_entries_must_be_positive_integers(bad):
         validate_balance(bad, 5)
 
 
+def test_an_explicit_balance_for_more_stages_than_layers_says_so_instead_of_suggesting_a_zero():
+    # before: "the entries must sum to the number of layers, e.g. balance=[1, 0]", which is then refused
+    with pytest.raises(ValueError, match="Cannot split 1 layers into 2 stages.*Use at most 1 devices"):
+        validate_balance([1, 1], 1, 2)
+    with pytest.raises(ValueError, match="Cannot split 2 layers into 3 stages"):
+        validate_balance([1, 1, 1], 2)  # the count of entries alone
+    with pytest.raises(ValueError, match="The backbone has no layers: an empty nn.Sequential"):  # not "at most 0"
+        validate_balance([1], 0, 1)
+    with pytest.raises(ValueError, match="The backbone has no layers"):
+        balance_by_params(nn.Sequential(), 1)
+
+
+def test_numpy_integers_are_whole_numbers_of_layers_and_come_back_as_ints():
+    import numpy as np
+
+    values = validate_balance([np.int64(2), np.int32(3)], 5, 2)
+    assert values == [2, 3] and all(type(v) is int for v in values)
+
+
 def test_stage_bounds():
     assert stage_bounds([2, 1, 3]) == [(0, 2), (2, 3), (3, 6)]
 

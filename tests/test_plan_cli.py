@@ -40,3 +40,46 @@ def test_sizes_are_read_with_units_and_a_bad_one_is_named():
     assert parse_bytes("2MiB") == 2 * 2**20
     with pytest.raises(Exception, match="'16 parsecs' is not a size"):
         parse_bytes("16 parsecs")
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--devices", "0", "argument --devices: '0' must be at least 1"),
+        ("--chunks", "-2", "argument --chunks: '-2' must be at least 1"),
+        ("--repeats", "0", "argument --repeats: '0' must be at least 1"),
+        ("--threads", "0", "argument --threads: '0' must be at least 1"),
+        ("--rows", "-1", "argument --rows: '-1' must be at least 1"),
+        ("--bandwidth", "-1", "argument --bandwidth: '-1' must be more than 0 bytes"),
+        ("--memory", "abc", "argument --memory: 'abc' is not a size"),
+        ("--latency", "-1", "argument --latency: '-1' must be a finite number of seconds"),
+        ("--device", "tpu", "argument --device: 'tpu' is not a torch device"),
+    ],
+)
+def test_a_bad_plan_option_is_a_usage_error_naming_it_before_anything_is_built(option, value, says, capsys):
+    # before: a raw traceback from deep in the planner or torch, or (repeats, rows) silently accepted
+    with pytest.raises(SystemExit) as exit:
+        plan_command(["--config", CONFIG, option, value])
+    assert exit.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_plan_on_a_cuda_device_this_machine_lacks_is_a_usage_error(capsys):
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = f"cuda:{count}" if count else "cuda"
+    says = f"this machine has {count} CUDA devices" if count else "this machine has no usable CUDA device"
+    with pytest.raises(SystemExit):
+        plan_command(["--config", CONFIG, "--device", device])
+    assert f"argument --device: {device!r}, but {says}" in capsys.readouterr().err
+
+
+def test_the_commands_help_names_plan_beside_lightning_clis_subcommands(monkeypatch, capsys):
+    from lightning_gpipe import cli
+
+    monkeypatch.setattr("sys.argv", ["lightning-gpipe", "--help"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    printed = capsys.readouterr().out
+    assert "lightning-gpipe plan --config CONFIG" in printed and "{fit,validate,test,predict}" in printed

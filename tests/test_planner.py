@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 
 import pytest
 import torch
@@ -377,15 +378,16 @@ class SlowSpell(nn.Module):
     def __init__(self, slow: set[int]) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(1))
-        # counted in a list, which the profile leaves as it is (a plain counter it puts back when it ends)
-        self.counted, self.slow = [0], slow
+        # counted in an object of its own, which the profile leaves as it is (it puts back a plain counter, and the
+        # items of a list, dict or set, when it ends)
+        self.counted, self.slow = types.SimpleNamespace(calls=0), slow
 
     @property
     def calls(self) -> int:
-        return self.counted[0]
+        return self.counted.calls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.counted[0] += 1
+        self.counted.calls += 1
         time.sleep(0.05 if self.calls in self.slow else 0.002)
         return x * self.w
 

@@ -217,6 +217,31 @@ def test_capture_input_stops_at_the_backbone_and_restores_the_stem():
         capture_input(backbone, lambda: stem(torch.randn(2, 4)))
 
 
+def test_capture_input_leaves_the_steps_plain_attributes_and_records_as_they_were():
+    # the profile runs training_step on rank 0 alone, up to the backbone call: before, a counter and a record written
+    # there counted the profile's run (rank 0 saw the first batch twice: [[0..3], [0..3], [4..7], ...])
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(Boom())
+            self.calls, self.seen, self.by_size, self.sizes = 0, [], {}, set()
+
+        def training_step(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            self.seen.append(len(x))
+            self.by_size[len(x)] = self.by_size.get(len(x), 0) + 1
+            self.sizes.add(len(x))
+            self.made_here = True
+            return self.backbone(x)
+
+    module = Step()
+    seen = module.seen  # another holder of the same list
+    capture_input(module.backbone, lambda: module.training_step(torch.randn(5, 2)), owner=module)
+    assert (module.calls, module.seen, module.by_size, module.sizes) == (0, [], {}, set())
+    assert module.seen is seen and not hasattr(module, "made_here")
+
+
 def test_capture_input_leaves_metrics_as_they_were_and_logs_nothing():
     import torchmetrics
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe import GPipe
+from lightning_gpipe import GPipe, skippable, stash
 from lightning_gpipe.engine.sample_check import MixedSamples, find_mixing, mismatch, probing, replaced
 from lightning_gpipe.launch import run_processes
 
@@ -209,3 +209,30 @@ def test_micro_batches_of_one_sample_are_checked_on_the_first_two_joined_shapes_
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), sequential(x), atol=1e-6, rtol=0)
     assert pipe.runner.per_sample_checked
+
+
+@skippable(stash=["t"])
+class StashTransposed(nn.Module):
+    """Stashes its input with the batch in dim 1, as a sequence-first skip would."""
+
+    def forward(self, x):
+        stash("t", x.t())
+        return x
+
+
+def test_a_skip_sent_without_the_batch_in_dim_0_is_named_as_the_skip_not_as_the_stages_last_layer():
+    # a square micro-batch (4 samples of 4 features): the transposed skip's shape cannot show where the batch is.
+    # before: "Stage 0 mixes the samples along dim 0, first in layer 2 (Linear)", the last layer, with the
+    # sequence-first advice, though every layer keeps the samples apart
+    layers = [(0, nn.Linear(4, 4)), (1, StashTransposed()), (2, nn.Linear(4, 4))]
+    with probing(nn.ModuleList([layer for _, layer in layers])):
+        probe = find_mixing(
+            layers, torch.randn(4, 4), {}, 4, lambda index: None, lambda tracker: {1: list(tracker.stashed.values())}
+        )
+    assert probe.mixing is not None and probe.mixing.skip_to == 1
+    message = str(MixedSamples.at(0, probe.mixing, 4))
+    assert message.startswith("Stage 0 sends stage 1 a skip whose rows for some samples of a micro-batch of 4 changed")
+    assert "Stash the tensor with the batch in dim 0 and transpose it after `pop`" in message
+    with probing(nn.ModuleList([layer for _, layer in layers])):  # the same skip kept per sample passes
+        kept = find_mixing(layers[:1] + layers[2:], torch.randn(4, 4), {}, 4, lambda index: None)
+    assert kept.mixing is None

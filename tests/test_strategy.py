@@ -235,11 +235,27 @@ def test_stage_output_that_is_not_tensors_in_tuples_lists_or_dicts():
         ({"start_method": "thread"}, r"`start_method` must be one of \('popen', 'spawn', 'fork', 'forkserver'\)"),
         ({"max_memory": "16 parsecs"}, r"`max_memory`: '16 parsecs' is not a size: write a number and B, KB"),
         ({"max_memory": [1]}, r"`max_memory` must be a positive number of bytes per device \(or a size such as"),
+        # it bounds the "auto" choices alone: with none, it was silently ignored
+        (
+            {"max_memory": "1GiB", "chunks": 2},
+            r"`max_memory` bounds the planner's 'auto' choices, but none of chunks=2, ",
+        ),
     ],
 )
 def test_bad_strategy_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPipeStrategy(**kwargs)
+
+
+def test_numpy_integers_are_taken_as_the_counts_they_are():
+    # before: "`balance` must be a list of positive integers ..., got [np.int64(7), np.int64(8)]"
+    import numpy as np
+
+    strategy = GPipeStrategy(balance=[np.int64(7), np.int64(8)], chunks=np.int64(4), pipe_size=np.int32(2))
+    assert strategy.requested[:2] == ([7, 8], 4) and type(strategy.chunks) is int and strategy.chunks == 4
+    assert type(strategy._pipe_size) is int and strategy._pipe_size == 2
+    with pytest.raises(ValueError, match="`chunks` must be a positive integer"):
+        GPipeStrategy(chunks=np.float64(4.0))
 
 
 @pytest.mark.parametrize(
@@ -256,8 +272,8 @@ def test_arguments_of_the_wrong_type_fail_at_construction(kwargs, message):
 
 
 def test_max_memory_takes_a_size_as_the_plan_command_does():
-    assert GPipeStrategy(max_memory="16GiB").max_memory == 16 * 2**30
-    assert GPipeStrategy(max_memory=1e9).max_memory == 1e9
+    assert GPipeStrategy(chunks="auto", max_memory="16GiB").max_memory == 16 * 2**30
+    assert GPipeStrategy(balance="auto", max_memory=1e9).max_memory == 1e9
 
 
 def test_pipe_size_that_does_not_divide_the_processes():

@@ -275,7 +275,14 @@ def test_slurms_requeue_signal_saves_one_step_of_every_stage_requeues_once_and_t
 
 @pytest.mark.parametrize(
     "cause",
-    ["unseeded random", "per-rank iterable", "loaders of unequal lengths", "unseeded text", "unseeded batch object"],
+    [
+        "unseeded random",
+        "per-rank iterable",
+        "one-pass stream",
+        "loaders of unequal lengths",
+        "unseeded text",
+        "unseeded batch object",
+    ],
 )
 def test_stages_with_different_batches_stop_at_the_first_difference_naming_the_stages_and_the_fixes(cause):
     outcome = run_processes(W.different_batches, 2, cause, timeout=120)
@@ -285,6 +292,9 @@ def test_stages_with_different_batches_stop_at_the_first_difference_naming_the_s
         report
     )
     assert "(made in `training_step`)" in report and "seed_everything" in report and "IterableDataset" in report
+    # the one cause of a one-pass stream, a batch the profile took on rank 0 alone, is among them with its fix
+    assert "rank 0 takes the first batch at setup to profile the backbone" in report
+    assert "give `balance` as a list of layers per stage" in report
     assert "stage 1 (rank 1) reported" in outcome.errors[0]
 
 
@@ -497,3 +507,13 @@ def test_a_rank_zero_only_save_checkpoint_ends_the_job_naming_the_deadlock_under
     assert "none can go on (a deadlock): " in result.stderr, result.stderr[-3000:]
     assert "a gather of every stage's state" in result.stderr and "`trainer.save_checkpoint`" in result.stderr
     assert not path.exists()
+
+
+def test_a_rank_still_in_a_rank_zero_only_collective_when_the_next_run_starts_is_named_as_not_joined():
+    # before: "stage 0 (rank 0) stopped responding: no heartbeat for 30s (killed, or frozen)", of a live rank 0
+    # that waited in Lightning's broadcast (`trainer.log_dir` read under `if trainer.global_rank == 0`)
+    outcome = run_processes(W.rank_zero_collective_between_runs, 2, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    report = outcome.errors[1]
+    assert "stage 0 (rank 0) stopped responding or has not joined this run: no heartbeat in the " in report, report
+    assert "`trainer.log_dir`, `strategy.broadcast` or `barrier` under `if trainer.is_global_zero:`" in report

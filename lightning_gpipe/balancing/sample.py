@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.checkpoint import restore_buffer
+from lightning_gpipe.engine.forward_attributes import attributes_kept
 from lightning_gpipe.engine.rng import isolated_rng
 
 __all__ = ["NoSampleError", "backbone_input", "backbone_sample", "capture_input", "described", "sample_micro_batch"]
@@ -83,7 +84,10 @@ def _is_metric(module: nn.Module) -> bool:
 @contextmanager
 def _kept(owner: Optional[nn.Module], target: nn.Module) -> Iterator[None]:
     """Inside: ``owner``'s code runs as usual; after: its buffers (outside ``target``) and metric states are as
-    before, and ``owner.log`` / ``owner.log_dict`` (a LightningModule's) logged nothing.
+    before, and ``owner.log`` / ``owner.log_dict`` (a LightningModule's) logged nothing. Its plain attributes (and
+    its layers', outside torch's own) are as before too, and the lists, dicts and sets they hold keep their items: a
+    step counter (``self.n += 1``) or a record (``self.seen.append(...)``) written before the backbone call would
+    otherwise count the profile, on rank 0 alone.
 
     A metric's state is its registered states (``_defaults``) with its update count and cached result, the
     parts that ``torchmetrics`` itself saves and restores around a ``forward``.
@@ -99,10 +103,12 @@ def _kept(owner: Optional[nn.Module], target: nn.Module) -> Iterator[None]:
     for name in silenced:
         setattr(owner, name, _ignore)  # an instance attribute: the class's method is back once it is deleted
     try:
-        yield
+        with attributes_kept(owner):
+            yield
     finally:
         for name in silenced:
             delattr(owner, name)
+
         for buffer, value in buffers:
             restore_buffer(buffer, value)
         for metric, state in states:

@@ -393,6 +393,15 @@ class FailureBoard:
             current = int(store.add(f"beat/{rank}", 0))
             if current != beats:
                 last_seen[rank] = (current, now)
+            elif now - since > failure_timeout and current == 0:  # it never beat in this run
+                self._set_failure(
+                    f"{self.describe(rank)} (rank {rank}) stopped responding or has not joined this run: no heartbeat "
+                    f"in the {now - since:.0f}s since it began. It was killed, is frozen, or is still in code before "
+                    "this run (waiting in a collective that only some ranks called, such as `trainer.log_dir`, "
+                    "`strategy.broadcast` or `barrier` under `if trainer.is_global_zero:` or in a @rank_zero_only "
+                    "function: call it on every rank)"
+                )
+                del last_seen[rank]
             elif now - since > failure_timeout:
                 self._set_failure(
                     f"{self.describe(rank)} (rank {rank}) stopped responding: no heartbeat for "

@@ -16,6 +16,7 @@ been seen to write it in place (every one in the first forward, once).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -128,9 +129,11 @@ def attributes_kept(module: nn.Module) -> Iterator[None]:
     Tensor attributes are copies inside, and the originals are bound again afterwards, as
     :func:`~lightning_gpipe.engine.sample_check.probing` does with buffers: an original is never written, so nothing
     that holds it (a graph of the call under way, a tensor that shares its storage) sees a write or a new version.
+    A list, dict or set attribute keeps its object and gets its items back (a record appended to, ``self.seen``).
     """
     watched = _watched(module)
     saved = [{k: v for k, v in vars(m).items() if k not in _MACHINERY} for m in watched]
+    held = [(v, copy.copy(v)) for attributes in saved for v in attributes.values() if type(v) in (list, dict, set)]
     for m, attributes in zip(watched, saved):
         for k, v in attributes.items():
             if isinstance(v, Tensor):
@@ -143,6 +146,12 @@ def attributes_kept(module: nn.Module) -> Iterator[None]:
             for k in [k for k in now if k not in _MACHINERY and k not in attributes]:  # made inside
                 del now[k]
             now.update(attributes)
+        for container, items in held:  # the same object (others may hold it too), with its items as before
+            container.clear()
+            if isinstance(container, list):
+                container.extend(items)
+            else:
+                container.update(items)
 
 
 def _plain(value: Any, depth: int = 0) -> bool:

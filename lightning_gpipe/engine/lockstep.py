@@ -30,7 +30,12 @@ DIFFERENT_BATCH_CAUSES = (
     "a sampler or DataLoader built differently, on different ranks; a random transform in the Dataset after code "
     "that drew random numbers on some ranks only where the strategy cannot make the stages' random states one "
     "again before the next batches are loaded (the LightningModule's own `on_train_batch_end` or "
-    "`on_train_epoch_end`, any `on_train_epoch_start`): draw there on every rank, or move the draw into a callback."
+    "`on_train_epoch_end`, any `on_train_epoch_start`): draw there on every rank, or move the draw into a callback; "
+    "a stream that can be read only once (an IterableDataset whose `__iter__` returns the same iterator every time, "
+    "a generator over a pipe or socket) in the first call: with the gpipe strategy's default balance (by measured "
+    "time), 'time', 'memory' or 'auto', rank 0 takes the first batch at setup to profile the backbone, which such a "
+    "stream loses on rank 0 alone; give `balance` as a list of layers per stage (or 'params'), which needs no "
+    "batch, or make `__iter__` start the stream anew on every call."
 )
 
 

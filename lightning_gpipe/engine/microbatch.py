@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import dataclasses
+import operator
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
@@ -16,6 +17,7 @@ from lightning_gpipe.engine.rng import mix64
 
 __all__ = [
     "check_chunks",
+    "whole_number",
     "Outputs",
     "fields",
     "replaced_fields",
@@ -154,14 +156,27 @@ def _holds_packed_sequence(batch: Any) -> bool:
 
 
 def check_chunks(chunks: object) -> int:
-    """``chunks`` if it is a positive integer (micro-batches per batch), else a ``ValueError`` that says so.
+    """``chunks`` as an ``int`` if it is a positive integer (micro-batches per batch; a NumPy integer too), else a
+    ``ValueError`` that says so.
 
     >>> check_chunks(4)
     4
     """
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+    number = whole_number(chunks)
+    if number is None or number < 1:
         raise ValueError(f"`chunks` must be a positive integer (micro-batches per batch), got {chunks!r}.")
-    return chunks
+    return number
+
+
+def whole_number(value: object) -> Optional[int]:
+    """``value`` as an ``int`` where it is an integer (Python's, NumPy's: anything ``operator.index`` takes, but not a
+    bool), else None: a count computed with NumPy (``np.int64``) means the same number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def split_sizes(size: int, chunks: int) -> list[int]:

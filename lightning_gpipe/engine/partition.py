@@ -9,6 +9,8 @@ from typing import Optional
 
 from torch import nn
 
+from lightning_gpipe.engine.microbatch import whole_number
+
 __all__ = [
     "balance",
     "balance_by_params",
@@ -30,6 +32,8 @@ __all__ = [
 def _check_stages(layers: int, stages: int) -> None:
     if stages < 1:
         raise ValueError(f"The number of stages must be at least 1, got {stages}.")
+    if layers == 0:
+        raise ValueError("The backbone has no layers: an empty nn.Sequential has nothing to split into stages.")
     if stages > layers:
         raise ValueError(
             f"Cannot split {layers} layers into {stages} stages: every stage needs at least one layer. "
@@ -201,6 +205,7 @@ def balance_keeping_together(costs: Sequence[float], stages: int, spans: Sequenc
 def validate_balance(balance: Sequence[int], layers: int, stages: int | None = None) -> list[int]:
     """Check an explicit ``balance`` list against the backbone and the number of stages."""
     values = check_balance_entries(balance)
+    _check_stages(layers, max(stages or 0, len(values)))  # more stages than layers: no balance can help
     if stages is not None and len(values) != stages:
         raise ValueError(
             f"`balance` has {len(values)} entries but the pipeline has {stages} stages (one per device); "
@@ -220,11 +225,12 @@ def check_balance_entries(balance: object) -> list[int]:
     The whole check needs the backbone (:func:`validate_balance`); this part runs when the strategy is made, before
     any process starts.
     """
-    values = list(balance) if isinstance(balance, Sequence) and not isinstance(balance, str) else None
-    if not values or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in values):
-        shown = values if values is not None else balance
+    entries = list(balance) if isinstance(balance, Sequence) and not isinstance(balance, str) else None
+    values = [whole_number(b) for b in entries or []]
+    if not entries or any(b is None or b < 1 for b in values):
+        shown = entries if entries is not None else balance
         raise ValueError(f"`balance` must be a list of positive integers (layers per stage), got {shown!r}.")
-    return values
+    return [b for b in values if b is not None]  # all of them: checked above
 
 
 def _even(layers: int, stages: int) -> list[int]:

@@ -328,6 +328,7 @@ class GPipe(nn.Module):
                 raise TypeError(f"`{name}` must be True or False, got {flag!r}.")
         check_seconds("timeout", timeout)
         check_seed(seed)
+        chunks = microbatch.check_chunks(chunks)  # as an int: a NumPy integer means the same count
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"GPipe splits an nn.Sequential, got {type(module).__name__}; wrap the layers in one.")
         refuse_own_forward(module, "The module given to GPipe")

@@ -62,6 +62,17 @@ class MixedSamples(ValueError):
     def at(cls, stage: int, found: Mixing, size: int) -> MixedSamples:
         """The error for stage ``stage``, where :func:`find_mixing` found ``found`` on a micro-batch of ``size``."""
         cut = size // 2
+        if found.skip_to is not None:  # the layers' outputs kept the samples apart: a skip it sends did not
+            return cls(
+                f"Stage {stage} sends stage {found.skip_to} a skip whose rows for some samples of a micro-batch of "
+                f"{size} changed when the other samples changed (the last {size - cut} replaced by copies of the "
+                f"first {cut}, then the other way; relative difference {found.difference:.2g}, tolerance "
+                f"{found.tolerance:.0e}; checked once, in eval mode), while the stage's output kept them apart. The "
+                "pipeline cuts every skip into micro-batches along dim 0 like the batch, so a skip must hold one row "
+                "per sample in dim 0: one stashed transposed (`x.t()`, sequence-first) has the batch in another dim, "
+                "and one computed over the batch (a mean over dim 0) mixes the samples. Stash the tensor with the "
+                "batch in dim 0 and transpose it after `pop`; for a statistic over the batch, use chunks=1."
+            )
         return cls(
             f"Stage {stage} mixes the samples along dim 0, first in layer {found.index} "
             f"({type(found.layer).__name__}): its output for some samples of a micro-batch of {size} changed when the "
@@ -85,6 +96,8 @@ class Mixing:
     tolerance: float
     index: int
     layer: nn.Module
+    #: where the samples mixed in a skip the stage sends (to this stage), not in its output
+    skip_to: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -226,4 +239,11 @@ def find_mixing(
     difference, tolerance = _changed(ends, size)
     index, layer = first_changed or layers[-1]
     mixing = Mixing(difference, tolerance, index, layer) if difference > tolerance else None
+    if mixing is not None and first_changed is None:  # no layer's output changed: a skip it sends did
+        skips = [sent for _, sent in ends]
+        for destination in skips[0] if isinstance(skips[0], dict) else ():
+            moved, limit = _changed([sent[destination] for sent in skips], size)
+            if moved > limit:
+                mixing = Mixing(moved, limit, index, layer, skip_to=destination)
+                break
     return Probe(mixing, *ends[0])

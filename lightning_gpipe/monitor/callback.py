@@ -10,7 +10,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpipe._lightning import log_to_loggers, should_update_logs
@@ -214,12 +214,20 @@ class PipelineMonitor(Callback):
             return
         self.table = _table(self.summary, bubble, pipe, first_only=fit is self._first)
         rank_zero_info(self.table)
+        missed = sorted(step for step in self.trace_steps if step >= self._batches)
+        if missed:
+            rank_zero_warn(
+                f"PipelineMonitor(trace_steps={sorted(self.trace_steps)}): the fit ran {self._batches} training "
+                f"batches (0 to {self._batches - 1}), so batch{'es' * (len(missed) > 1)} {missed} never ran and "
+                + ("nothing was traced: no trace file was written" if not rows else "the trace holds the others")
+                + ". Give trace_steps below the number of training batches of the fit."
+            )
         if rows:
             meta = {
                 "stages": pipe.layout.pipe_size,
                 "chunks": pipe.chunks,
                 "checkpoint": pipe.checkpoint,
-                "steps": sorted(self.trace_steps),
+                "steps": sorted(step for step in self.trace_steps if step < self._batches),  # the ones that ran
             }
             self.trace_path = write_chrome_trace(os.path.join(directory, self.filename + ".json"), rows, meta)
             title = f"{pipe.layout.pipe_size} stages, {pipe.chunks} micro-batches, checkpoint={pipe.checkpoint!r}"
