@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
@@ -104,38 +104,33 @@ def run(args: ArgsType = None) -> GPipeCLI:
     )
 
 
+def _argument(text: str, convert: Callable[[str], Any], kind: str, valid: Callable[[Any], bool], need: str) -> Any:
+    """``convert(text)`` for argparse, where ``valid`` of it; else argparse's usage error naming the value (``kind``:
+    what a value that does not convert is not; empty: the converter's own message)."""
+    try:
+        value = convert(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}" if kind else str(error)) from None
+    if not valid(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be {need}")
+    return value
+
+
 def parse_bytes(text: str) -> float:
     """``"16GiB"``, ``"512MB"``, ``"1e9"``: a positive number of bytes, for argparse (see
     :func:`~.plan.auto.parse_bytes`)."""
-    try:
-        number = auto_bytes(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if not number > 0 or number != number:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
-    return number
+    return float(_argument(text, auto_bytes, "", lambda n: n > 0, "more than 0 bytes"))
 
 
 def positive_int(text: str) -> int:
     """A whole number of at least 1, for argparse: 0 stages, micro-batches, threads, sweeps or rows mean nothing."""
-    try:
-        number = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return number
+    return int(_argument(text, int, "a whole number", lambda n: n >= 1, "at least 1"))
 
 
 def seconds(text: str) -> float:
     """A finite number of seconds of at least 0, for argparse."""
-    try:
-        number = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds, 0 or more")
-    return number
+    valid = lambda s: 0 <= s < float("inf")  # noqa: E731  (NaN and infinity fail too)
+    return float(_argument(text, float, "a number of seconds", valid, "a finite number of seconds, 0 or more"))
 
 
 def _plan_parser() -> argparse.ArgumentParser:
