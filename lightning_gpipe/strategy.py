@@ -449,13 +449,14 @@ class GPipeStrategy(ParallelStrategy):
             destroy_process_groups_at_exit()
             print_stacks_on_a_crash()
         self._set_host_malloc()
-        if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
-            self._mesh = make_mesh(self.layout, self.root_device)
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
         self._failed = self._stage_optimizers = self._in_main_process = False
-        if self.world_size > 1:
+        if self.world_size > 1:  # before the first collective: a rank that never joins it is found by its heartbeat
             self._board.watch_deadlocks(after=self.failure_timeout + DEADLOCK_MARGIN)
             self._board.start(self.watchdog_grace, self.failure_timeout)
+        if self.world_size > 1 and self._mesh is None:  # the (dp, pp) groups live as long as the strategy
+            self._mesh = make_mesh(self.layout, self.root_device)
+        if self.world_size > 1:
             self._start_from_first_stages_random_state()
 
     def _start_from_first_stages_random_state(self) -> None:

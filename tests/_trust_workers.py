@@ -842,17 +842,23 @@ def validations_of_different_lengths(rank: int, world_size: int) -> None:
     trainer.fit(LogsInputs(), M.loader(), M.loader(samples=40 if rank == 0 else 24))
 
 
-def rank_zero_collective_between_runs(rank: int, world_size: int) -> None:
-    """After ``fit``, rank 0 alone reads ``trainer.log_dir`` (Lightning broadcasts it), then every rank validates:
-    rank 1's validation waits for a rank 0 that is still in the broadcast."""
+def rank_zero_collective_between_runs(rank: int, world_size: int, then: str) -> None:
+    """After ``fit``, rank 0 alone reads ``trainer.log_dir`` (Lightning broadcasts it), then every rank validates, or
+    fits with a new Trainer: rank 1's run waits for a rank 0 that is still in the broadcast."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
     model = M.Net()
-    trainer = L.Trainer(
-        strategy=GPipeStrategy(chunks=2, failure_timeout=3.0), devices=world_size, **M.trainer_kwargs(max_steps=2)
-    )
-    trainer.fit(model, M.loader())
-    if trainer.global_rank == 0:
-        print(trainer.log_dir)
-    trainer.validate(model, M.loader(), verbose=False)
+
+    def trainer() -> L.Trainer:
+        strategy = GPipeStrategy(chunks=2, failure_timeout=3.0, watchdog_grace=1.0)
+        return L.Trainer(strategy=strategy, devices=world_size, **M.trainer_kwargs(max_steps=2))
+
+    first = trainer()
+    first.fit(model, M.loader())
+    if first.global_rank == 0:
+        print(first.log_dir)
+    if then == "validate":
+        first.validate(model, M.loader(), verbose=False)
+    else:  # a new Trainer's strategy forms its process groups first
+        trainer().fit(M.Net(), M.loader())

@@ -415,7 +415,9 @@ class FailureBoard:
             if self._message is None and silent > failure_timeout:
                 self._message = (
                     f"{self.describe(0)} (rank 0) stopped responding: the job's store, which rank 0 "
-                    f"hosts, has not answered for {silent:.0f}s"
+                    f"hosts, has not answered for {silent:.0f}s (rank 0 is gone, or this rank waits to form a "
+                    "process group or join a collective that rank 0 has not reached, which holds the store: a "
+                    "collective only some ranks called, such as `trainer.log_dir` read on rank 0 alone)"
                 )
             stuck = self.found is not None and not self._in_hand  # this rank's own failure, found in the background
             if not stuck and (self._message is None or self._published):
