@@ -121,7 +121,11 @@ from lightning_gpipe.engine.pipe import (
     refuse_reserved_names,
     refuse_sync_batch_norm,
 )
-from lightning_gpipe.engine.replicas import broadcast_from_first_replica, refuse_sparse_gradients
+from lightning_gpipe.engine.replicas import (
+    broadcast_buffers_from_first_replica,
+    broadcast_from_first_replica,
+    refuse_sparse_gradients,
+)
 from lightning_gpipe.engine.rng import get_rng_state, isolated_rng, set_rng_state
 from lightning_gpipe.engine.split_weights import SplitWeights, judge
 from lightning_gpipe.engine.stage_copy import StageCopy
@@ -371,6 +375,7 @@ class GPipeStrategy(ParallelStrategy):
         self._layouts: list[optim_state.Layout] = []  # per optimizer: its groups over the whole model
         self._emptied: list[torch.optim.Optimizer] = []  # optimizers given no parameters on this stage
         self._loaders: list[Any] = []  # the resumable training loaders handed to the loop
+        self._buffers_due = True  # whether DDP would broadcast buffers before the next forward
         self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
         self._batch_idx = -1
         self._outer: Optional[OuterLayers] = None  # every stage's copy of the layers outside the backbone
@@ -773,6 +778,7 @@ class GPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self._last_loss = None
         self._loaders = []  # this run's: a checkpoint's position goes to no earlier fit's loader
+        self._buffers_due = True  # DDP broadcasts before a fit's first forward (see _first_replicas_buffers)
         self._sigterm.install(trainer)  # before the Trainer registers its signal handlers
         self._requeue.install(trainer, self.cluster_environment, self.world_size)
         self._interrupt.install(trainer, self.world_size, self.global_rank)
@@ -1204,6 +1210,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient averaging while Lightning accumulates gradients over several batches."""
+        self._buffers_due = False  # DDP's forward under no_sync leaves the next one without a buffer broadcast
         if self.pipe is None:
             yield None
             return
@@ -1334,15 +1341,36 @@ class GPipeStrategy(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_idx = batch_idx
         self._refuse_stage_grad_norms(f"Before training batch {batch_idx}")
+        self._first_replicas_buffers()
+        self._buffers_due = True  # unless the step accumulates (`block_backward_sync`)
         self._check_balance()
         for loader in self._loaders:  # resumed mid-epoch: go on as if never stopped
             if hasattr(loader, "restore_random_state"):
                 loader.restore_random_state()
         self._agree_before_step()
 
+    def _first_replicas_buffers(self) -> None:
+        """With replicas: every replica takes the first one's buffers (BatchNorm's running statistics, in the backbone
+        or outside it) where DDP's ``broadcast_buffers`` gives every rank rank 0's. Each replica's own data would move
+        them apart: a validation on another replica's statistics, a monitored value 0.068 off DDP's in a reported run.
+
+        DDP broadcasts before a forward of its wrapped module when the forward before it had gradients and
+        synchronized them: before a fit's first forward, each training step after one that did not accumulate,
+        and a fit's validation's first forward after training; not before a step after a validation or after an
+        accumulating step (``no_sync``), nor in a ``validate`` outside ``fit`` (Lightning wraps the module for
+        fitting only). ``_buffers_due`` follows that rule."""
+        pipe, module, trainer = self.pipe, self.lightning_module, self._trainer()
+        due, self._buffers_due = self._buffers_due, False
+        if pipe is None or module is None or pipe.replica_group is None or not due:
+            return
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        broadcast_buffers_from_first_replica(module.buffers(), pipe.replica_group)
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        self._first_replicas_buffers()
         self._agree_on_outer_layers(f"At the start of a validation (after training batch {self._batch_idx})")
         if self._tally is not None:  # the check compares training steps
             self._tally.paused = True

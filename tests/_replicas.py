@@ -26,10 +26,17 @@ def _fit(
     save_every: int = 0,
     directory: str = "",
     tied: bool = False,
+    batch_norm: bool = False,
+    trainer_options: dict[str, Any] | None = None,
     **model: Any,
 ) -> dict[str, Any]:
+    """``batch_norm``: a BatchNorm in a stem outside the backbone and one first in it; ``trainer_options`` with
+    validation settings: a validation loader too."""
     L.seed_everything(0, verbose=False)
     net = M.TiedNet(**model) if tied else M.Net(**model)
+    if batch_norm:
+        net.stem = torch.nn.Sequential(torch.nn.Linear(M.FEATURES, M.FEATURES), torch.nn.BatchNorm1d(M.FEATURES))
+        net.backbone.insert(0, torch.nn.BatchNorm1d(M.FEATURES))
     callbacks = (
         [ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)]
         if save_every
@@ -38,9 +45,12 @@ def _fit(
     trainer = L.Trainer(
         strategy=strategy,
         devices=devices,
-        **M.trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(callbacks)),
+        **M.trainer_kwargs(
+            max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(callbacks), **(trainer_options or {})
+        ),
     )
-    trainer.fit(net, M.loader(batch_size=BATCH))
+    validation = M.loader(batch_size=BATCH, shuffle=False) if trainer_options else None
+    trainer.fit(net, M.loader(batch_size=BATCH), validation)
     if ckpt_path is not None:
         raise AssertionError("use _resume")
     return {
@@ -63,7 +73,7 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     from lightning_gpipe import GPipeStrategy
 
     def gpipe(**kwargs: Any) -> GPipeStrategy:
-        return GPipeStrategy(pipe_size=2, chunks=2, **kwargs)
+        return GPipeStrategy(**{"pipe_size": 2, "chunks": 2, **kwargs})
 
     out: dict[str, Any] = {"2x2": _fit(gpipe(), 4, sync_dist=True)}
     # both ties of the tied backbone span the two stages: summed over the stages, averaged over the replicas
@@ -82,6 +92,13 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out["first stage"] = trainer.strategy.layout.stage_of(rank) == 0
     out["pipe_size=1"] = _fit(GPipeStrategy(pipe_size=1, chunks=2), 4, optimizer="adam")
     out["ddp"] = _fit(DDPStrategy(), 4, optimizer="adam")
+    # BatchNorm outside the backbone and in it: each replica's data moved its running statistics apart, where DDP
+    # gives every rank rank 0's (broadcast_buffers); a validation every 2 steps and accumulation over 2 batches follow
+    # DDP's rule of when it broadcasts
+    options = dict(val_check_interval=2, accumulate_grad_batches=2, limit_val_batches=2, num_sanity_val_steps=1)
+    batch_norm = dict(batch_norm=True, optimizer="sgd", max_steps=3, trainer_options=options)
+    out["pipe_size=1 batch norm"] = _fit(GPipeStrategy(pipe_size=1, chunks=1), 4, **batch_norm)
+    out["ddp batch norm"] = _fit(DDPStrategy(), 4, **batch_norm)
     for kind in ("full", "sharded"):
         where = os.path.join(directory, kind)
         out[f"straight {kind}"] = _fit(gpipe(), 4, max_steps=8, optimizer="adam", dropout=0.2)

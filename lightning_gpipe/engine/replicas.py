@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["GradientSync", "broadcast_from_first_replica", "refuse_sparse_gradients", "with_presence"]
+__all__ = [
+    "GradientSync",
+    "broadcast_buffers_from_first_replica",
+    "broadcast_from_first_replica",
+    "refuse_sparse_gradients",
+    "with_presence",
+]
 
 _BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -177,6 +183,24 @@ class GradientSync:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def broadcast_buffers_from_first_replica(buffers: Iterable[Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Every replica takes the first replica's buffers, as DDP's ``broadcast_buffers`` gives every rank rank 0's
+    before a forward: BatchNorm's running statistics, which each replica's own data would move apart. One
+    broadcast per dtype and device (DDP coalesces too): a model has many small buffers."""
+    if group is None:
+        return
+    source = dist.get_process_group_ranks(group)[0]
+    kinds: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for buffer in buffers:
+        kinds.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    with torch.no_grad():
+        for same in kinds.values():
+            flat = torch.cat([b.reshape(-1) for b in same])
+            dist.broadcast(flat, src=source, group=group)
+            for buffer, value in zip(same, flat.split([b.numel() for b in same])):
+                buffer.copy_(value.view_as(buffer))
 
 
 def broadcast_from_first_replica(tensors: Iterable[Tensor], group: Optional[dist.ProcessGroup]) -> None:
