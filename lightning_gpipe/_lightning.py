@@ -59,6 +59,7 @@ __all__ = [
     "atomic_checkpoint_io",
     "averaged_copies",
     "current_hook",
+    "evaluation_batches",
     "finetuning_callbacks",
     "finetuning_group_names",
     "first_batch",
@@ -399,6 +400,14 @@ def sample_loaders(trainer: "pl.Trainer") -> Optional[Any]:
     device = trainer.strategy.root_device
     with isolated_rng(device, everything=True):
         return _request_dataloader(source)
+
+
+def evaluation_batches(trainer: "pl.Trainer") -> list[float]:
+    """The number of batches of each loader the running validation, test or predict loop will run on this rank
+    (``inf`` where unknown). Private: ``Trainer._evaluation_loop``, the loop Lightning itself picks for the stage."""
+    fitting_or_evaluating = trainer.state.fn != TrainerFn.PREDICTING
+    loop = trainer._evaluation_loop if fitting_or_evaluating else trainer.predict_loop
+    return [float(batches) for batches in loop.max_batches]
 
 
 def restart_training_iterator(trainer: "pl.Trainer", loader: Any) -> None:

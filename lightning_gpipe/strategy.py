@@ -9,6 +9,7 @@ the model, the step, collectives, data, checkpoints, failure and teardown.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -35,6 +36,7 @@ from lightning_gpipe._lightning import (
     averaged_copies,
     count_throughput_per_pipeline,
     current_hook,
+    evaluation_batches,
     finetuning_callbacks,
     finetuning_group_names,
     first_batch,
@@ -1367,9 +1369,46 @@ class GPipeStrategy(ParallelStrategy):
             return
         broadcast_buffers_from_first_replica(module.buffers(), pipe.replica_group)
 
+    def _refuse_uneven_evaluation(self, what: str) -> None:
+        """With replicas: refuse, on every rank, an evaluation whose replicas would run different numbers of batches.
+
+        Every rank agrees with all the others at the end of each evaluation batch (signals, a stop), so a replica that
+        ran out first would leave the others waiting, and the job would end on a deadlock or a lost connection a minute
+        later. DDP finishes such a loop, each rank on its own shard; Lightning's predict sampler does not pad (33
+        samples in batches of 16 over 2 replicas: 2 batches and 1), nor does a sampler of the user's.
+        """
+        trainer = self._trainer()
+        if trainer is None or self.pipe is None or self.layout.num_replicas == 1:
+            return
+        counts = evaluation_batches(trainer)[:8]  # a fixed size for the gather: the loaders' count and 8 lengths
+        mine = torch.tensor([len(counts), *counts, *[-1.0] * (8 - len(counts))], device=self.root_device)
+        rows = distributed.all_gather(mine, watch=self._watch(f"the {what} batch counts of every rank")).tolist()
+        if all(row == rows[0] for row in rows) or any(math.isinf(c) for row in rows for c in row):
+            return
+        per_replica = {self.layout.replica_of(rank): row[1 : 1 + int(row[0])] for rank, row in enumerate(rows)}
+        shown = ", ".join(f"replica {r}: {[int(c) for c in n]}" for r, n in sorted(per_replica.items()))
+        raise ValueError(
+            f"The data-parallel replicas would run different numbers of {what} batches per loader ({shown}). Every "
+            "replica's pipeline agrees with the others at the end of each batch, so one that ran out first would leave "
+            "the others waiting (DDP lets each rank finish its own shard). Lightning's predict and test samplers do "
+            "not pad: give the data a size that splits into as many batches on every replica (a multiple of the "
+            "batch size times the replicas), or run one pipeline (pipe_size equal to the devices)."
+        )
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._refuse_uneven_evaluation("test")
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._refuse_uneven_evaluation("predict")
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        self._refuse_uneven_evaluation("validation")
         self._first_replicas_buffers()
         self._agree_on_outer_layers(f"At the start of a validation (after training batch {self._batch_idx})")
         if self._tally is not None:  # the check compares training steps

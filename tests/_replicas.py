@@ -172,3 +172,20 @@ def _state(net) -> dict:
     """What this process holds (after a sharded run, the other stages' layers on meta: read on purpose)."""
     with meta_state_allowed():
         return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def uneven_evaluation(rank: int, world_size: int, stage: str) -> None:
+    """``predict`` or ``validate`` over 2 replicas of 2 stages on 17 samples in batches of 8, replica 0 getting 9
+    samples (2 batches) and replica 1 8 (1 batch): Lightning's predict sampler does not pad; for ``validate``, the
+    user's own sharding by replica (``use_distributed_sampler=False``)."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    options = M.trainer_kwargs(limit_val_batches=None, use_distributed_sampler=stage == "predict")
+    trainer = L.Trainer(strategy=GPipeStrategy(pipe_size=2, chunks=2), devices=world_size, **options)
+    data = M.loader(batch_size=BATCH, samples=17, shuffle=False)
+    if stage == "validate":
+        replica = trainer.strategy.distributed_sampler_kwargs["rank"]
+        shard = torch.utils.data.Subset(data.dataset, range(replica, 17, 2))
+        data = torch.utils.data.DataLoader(shard, batch_size=BATCH)
+    getattr(trainer, stage)(M.Net(), data)

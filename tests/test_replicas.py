@@ -9,7 +9,7 @@ import _replicas as R
 import pytest
 import torch
 
-from lightning_gpipe.launch import run_ok
+from lightning_gpipe.launch import run_ok, run_processes
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,21 @@ def test_batch_norm_statistics_in_and_outside_the_backbone_are_the_first_replica
     for rank in range(4):  # weights and buffers, rank by rank: the last step moves each rank's statistics, as in DDP
         _close(runs[rank]["pipe_size=1 batch norm"]["weights"], runs[rank]["ddp batch norm"]["weights"])
         assert {"stem.1.running_mean", "backbone.0.running_mean"} <= set(runs[rank]["ddp batch norm"]["weights"])
+
+
+@pytest.mark.parametrize("stage", ["predict", "validate"])
+def test_an_evaluation_whose_replicas_get_different_batch_counts_is_refused_on_every_rank_naming_them(stage):
+    # before: the replica with fewer batches finished and left the others in the end-of-batch agreement, which ended
+    # 24-51 s later on "lost the connection ... (killed by a signal ...)" or a deadlock error, naming no cause
+    outcome = run_processes(R.uneven_evaluation, 4, stage, timeout=120)
+    assert all(code not in (0, None) for code in outcome.exitcodes), outcome.exitcodes
+    kind = {"predict": "predict", "validate": "validation"}[stage]
+    for error in outcome.errors:
+        assert error.startswith(
+            f"ValueError: The data-parallel replicas would run different numbers of {kind} batches per loader "
+            "(replica 0: [2], replica 1: [1])"
+        ), error
+        assert "a multiple of the batch size times the replicas" in error
 
 
 def test_pipe_size_1_is_lightnings_ddp(runs):
