@@ -405,8 +405,8 @@ def sample_loaders(trainer: "pl.Trainer") -> Optional[Any]:
 def evaluation_batches(trainer: "pl.Trainer") -> list[float]:
     """The number of batches of each loader the running validation, test or predict loop will run on this rank
     (``inf`` where unknown). Private: ``Trainer._evaluation_loop``, the loop Lightning itself picks for the stage."""
-    fitting_or_evaluating = trainer.state.fn != TrainerFn.PREDICTING
-    loop = trainer._evaluation_loop if fitting_or_evaluating else trainer.predict_loop
+    predicting = trainer.state.fn == TrainerFn.PREDICTING
+    loop = trainer.predict_loop if predicting else trainer._evaluation_loop
     return [float(batches) for batches in loop.max_batches]
 
 

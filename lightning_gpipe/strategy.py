@@ -1390,9 +1390,9 @@ class GPipeStrategy(ParallelStrategy):
         raise ValueError(
             f"The data-parallel replicas would run different numbers of {what} batches per loader ({shown}). Every "
             "replica's pipeline agrees with the others at the end of each batch, so one that ran out first would leave "
-            "the others waiting (DDP lets each rank finish its own shard). Lightning's predict and test samplers do "
-            "not pad: give the data a size that splits into as many batches on every replica (a multiple of the "
-            "batch size times the replicas), or run one pipeline (pipe_size equal to the devices)."
+            "the others waiting (DDP lets each rank finish its own shard). Lightning's predict sampler does not pad, "
+            "nor may a sampler of your own: give the data a size that splits into as many batches on every replica (a "
+            "multiple of the batch size times the replicas), or run one pipeline (pipe_size equal to the devices)."
         )
 
     @override

@@ -214,7 +214,8 @@ class PipelineMonitor(Callback):
             return
         self.table = _table(self.summary, bubble, pipe, first_only=fit is self._first)
         rank_zero_info(self.table)
-        missed = sorted(step for step in self.trace_steps if step >= self._batches)
+        ran = sorted(step for step in self.trace_steps if step < self._batches)
+        missed = sorted(self.trace_steps.difference(ran))
         if missed:
             rank_zero_warn(
                 f"PipelineMonitor(trace_steps={sorted(self.trace_steps)}): the fit ran {self._batches} training "
@@ -227,7 +228,7 @@ class PipelineMonitor(Callback):
                 "stages": pipe.layout.pipe_size,
                 "chunks": pipe.chunks,
                 "checkpoint": pipe.checkpoint,
-                "steps": sorted(step for step in self.trace_steps if step < self._batches),  # the ones that ran
+                "steps": ran,
             }
             self.trace_path = write_chrome_trace(os.path.join(directory, self.filename + ".json"), rows, meta)
             title = f"{pipe.layout.pipe_size} stages, {pipe.chunks} micro-batches, checkpoint={pipe.checkpoint!r}"
