@@ -389,3 +389,46 @@ def targets_of_another_rank(rank: int, world_size: int, checked: bool) -> str:
         return f"{type(error).__name__}: {error}"
     finally:
         pipe.close()
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        raise ValueError("boom in backward")
+
+
+class _Boom(nn.Module):
+    """Raises in its forward, or in its backward, on the rank that holds it."""
+
+    def __init__(self, in_backward: bool) -> None:
+        super().__init__()
+        self.in_backward = in_backward
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.in_backward:
+            return _RaisesInBackward.apply(x)
+        raise ValueError("boom in forward")
+
+
+def failing_layer(rank: int, world_size: int, in_backward: bool) -> str:
+    """A layer of stage 0 raises in the fill, or one of stage 1 in the drain; every rank catches what the call or
+    the backward raised and closes the pipe, as a script that reports its errors does. What each rank caught."""
+    from lightning_gpipe import GPipe
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)]
+    layers[2 if in_backward else 1] = _Boom(in_backward)
+    pipe = GPipe(nn.Sequential(*layers), [2, 2], chunks=2)
+    try:
+        pipe(torch.randn(8, 4)).sum().backward()
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        pipe.close()
+        dist.destroy_process_group()

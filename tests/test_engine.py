@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _engine_workers import checkpointed_backbone, plain_pipeline, reference, targets_of_another_rank
+from _engine_workers import checkpointed_backbone, failing_layer, plain_pipeline, reference, targets_of_another_rank
 from torch import nn
 
 from lightning_gpipe import GPipe
@@ -159,6 +159,20 @@ def test_an_error_raised_by_a_layer_names_the_layer_stage_and_micro_batch_and_ke
         "(raised by layer 1 (Linear) on micro-batch 0, of 2 samples, run first, in eval mode, to check that the "
         "layers keep the samples apart: the pipeline cuts each batch into `chunks` micro-batches)"
     ]
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["stage 0's fill", "stage 1's drain"])
+def test_a_layer_error_in_a_plain_pipeline_reaches_the_other_stage_with_its_cause(in_backward):
+    # without Lightning nothing published the error: the stage waiting for the failed one's messages said only
+    # "stage 0 (rank 0) closed its link while this stage still expected a message" once the failed rank closed its pipe
+    outcome = run_processes(failing_layer, 2, in_backward, timeout=120)
+    assert outcome.exitcodes == [0, 0], outcome.errors
+    failed, other = (1, 0) if in_backward else (0, 1)
+    where = "backward" if in_backward else "forward"
+    assert outcome.results[failed].startswith(f"ValueError: boom in {where}"), outcome.results
+    assert outcome.results[other].startswith(
+        f"PipelineError: stage {failed} (rank {failed}) failed: ValueError: boom in {where}"
+    ), outcome.results
 
 
 def test_the_backbone_inside_torchs_checkpoint_trains_when_reentrant_and_is_refused_at_once_otherwise():

@@ -210,9 +210,13 @@ class Inbox:
                 continue
             if isinstance(item, Message):
                 return item
+            # prefer the peer's own account of its failure: a peer whose layer raised closes its links at once, and
+            # the board's poller sees its published error within a poll or two
+            account = self.board.wait_for_failure(1.0)
             if item is None:
-                raise PipelineError(f"{self.name} closed its link while this stage still expected a message.")
-            account = self.board.wait_for_failure(1.0)  # prefer the peer's own account of its failure
+                raise PipelineError(
+                    account or f"{self.name} closed its link while this stage still expected a message."
+                )
             error = item if isinstance(item, BaseException) else None
             raise PipelineError(account or f"Lost the connection to {self.name}: {item}") from error
 

@@ -412,6 +412,8 @@ class GPipe(nn.Module):
         self.runner.after_drain = self.ties.after_drain
         self.runner.split_backward = split_backward
         self.runner.check_per_sample = check_per_sample
+        if self._own_board:
+            self.runner.on_error = self.board.publish
         if self.replica_group is not None:
             tied = self.ties.excluded()  # their replica average is part of the tie's sum
             self.runner.grad_sync = GradientSync(

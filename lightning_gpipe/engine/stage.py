@@ -118,6 +118,10 @@ class StageRunner:
         self._held: Any = None  # micro-batch 0's input and skips, where micro-batches of one sample are checked joined
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
+        #: Told of an error that leaves a call or a drain of this stage: the plain GPipe publishes it on its own failure
+        #: board, so that the other stages, which wait for this one's messages, end with its cause. (The Lightning
+        #: strategy publishes in its ``on_exception`` and leaves this unset.)
+        self.on_error: Optional[Callable[[BaseException], None]] = None
         self.calls = 0  # training calls so far: with the seed, the key of every random stream (checkpointed)
         self.eval_calls = 0
         self._evaluating = 0  # evaluation fills under way
@@ -167,6 +171,9 @@ class StageRunner:
             self._evaluating += 1
             try:
                 return unflatten(*self._fill(batch, _Run(call, (False, torch.float32), label), train=False))
+            except BaseException as error:
+                self._tell(error)
+                raise
             finally:
                 self._evaluating -= 1
         call = self.calls
@@ -178,10 +185,15 @@ class StageRunner:
         box: dict[str, Any] = {"label": label}
         try:
             values = _Bridge.apply(self, batch, call, box, anchor, *leaves)
-        except BaseException:
+        except BaseException as error:
             self._undrained.pop(call, None)
+            self._tell(error)
             raise
         return unflatten(values, box["structure"])
+
+    def _tell(self, error: BaseException) -> None:
+        if self.on_error is not None:
+            self.on_error(error)
 
     def _refuse_call_in_drain(self) -> None:
         """Raise where the backbone is called from inside a drain of this stage: each stage would make that call at
@@ -707,6 +719,9 @@ class _Bridge(torch.autograd.Function):
                 input_grads = ctx.runner._drain(run, grads, whole) or [None] * ctx.num_leaves
                 if ctx.runner.after_drain is not None and whole:
                     ctx.runner.after_drain()
+        except BaseException as error:
+            ctx.runner._tell(error)
+            raise
         finally:
             ctx.runner._draining = outer
             ctx.runner._undrained.pop(run.call, None)
