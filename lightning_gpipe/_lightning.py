@@ -672,9 +672,15 @@ def graph_loggers(trainer: "pl.Trainer") -> list[str]:
     """The names of the trainer's loggers that trace the model for its graph (``TensorBoardLogger(log_graph=True)``).
 
     Lightning calls ``log_graph(model)`` on rank 0 after ``on_fit_start``; TensorBoard's then runs the model
-    (``torch.jit.trace``). The setting is kept only in the private ``_log_graph``.
+    (``torch.jit.trace``). The setting is kept only in the private ``_log_graph`` (a truthy requirement check where
+    it is on). ``fast_dev_run``'s ``DummyLogger`` answers every attribute with a no-op method, which does not count:
+    taken for the setting, it refused every such run that had a logger.
     """
-    return [type(logger).__name__ for logger in trainer.loggers if getattr(logger, "_log_graph", False)]
+    return [type(logger).__name__ for logger in trainer.loggers if _traces_graph(getattr(logger, "_log_graph", False))]
+
+
+def _traces_graph(setting: Any) -> bool:
+    return not callable(setting) and bool(setting)
 
 
 def averaged_copies(trainer: "pl.Trainer") -> list[tuple[str, "pl.LightningModule"]]:
@@ -846,6 +852,24 @@ def restore_at_signal_teardown(trainer: "pl.Trainer", signum: int, replaced: Any
 def hpc_save_path(trainer: "pl.Trainer") -> str:
     """The next ``hpc_ckpt_<n>.ckpt`` in the Trainer's root directory, as Lightning's requeue handler names it."""
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+def dump_model_state_with(trainer: "pl.Trainer", state_dict: Optional[Callable[[], dict[str, Any]]]) -> bool:
+    """Make Lightning's checkpoint dump take the module's state from ``state_dict`` (``None``: as Lightning does).
+
+    Lightning asks ``strategy.lightning_module_state_dict()`` for it, and so may a user, who wants the whole model,
+    while a sharded checkpoint wants each stage's part. The dump's one call goes through the checkpoint connector's
+    ``_get_lightning_module_state_dict`` (private), which is replaced on this trainer's connector. False where this
+    Lightning has no such method: the dump then comes to ``lightning_module_state_dict`` as before.
+    """
+    connector = trainer._checkpoint_connector
+    if not callable(getattr(type(connector), "_get_lightning_module_state_dict", None)):
+        return False
+    if state_dict is None:
+        vars(connector).pop("_get_lightning_module_state_dict", None)
+    else:
+        vars(connector)["_get_lightning_module_state_dict"] = state_dict
+    return True
 
 
 def requeue_as_lightning_does(trainer: "pl.Trainer", signum: int, path: str) -> None:

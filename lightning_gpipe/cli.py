@@ -20,6 +20,7 @@ one they are :class:`~lightning_gpipe.tasks.AmoebaNetClassifier` and
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import warnings
@@ -46,18 +47,36 @@ from lightning_gpipe.tasks import AmoebaNetClassifier, ImageDataModule
 __all__ = ["GPipeCLI", "main", "plan_command", "run"]
 
 
+#: The classes of ``model`` and ``data`` where a config names none: the image classification task.
+DEFAULT_CLASSES = {
+    "model": f"{AmoebaNetClassifier.__module__}.{AmoebaNetClassifier.__qualname__}",
+    "data": f"{ImageDataModule.__module__}.{ImageDataModule.__qualname__}",
+}
+
+
+def _same_class(value: Any, path: str) -> bool:
+    """Whether a parsed subclass value names the class at ``path`` (jsonargparse may name it by a shorter import)."""
+    chosen = getattr(value, "class_path", None)
+    if chosen is None or chosen == path:
+        return True
+    module, _, name = chosen.rpartition(".")
+    default_module, _, default_name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name) is getattr(
+            importlib.import_module(default_module), default_name
+        )
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
 class GPipeCLI(LightningCLI):
     """LightningCLI whose ``fit`` also tests, and whose data sets the model's classes and input channels."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The image classification task unless a config names other classes; a config's `model:` without a
         # class_path gives the default class its arguments (jsonargparse merges them into the default).
-        parser.set_defaults(
-            {
-                "model": {"class_path": f"{AmoebaNetClassifier.__module__}.{AmoebaNetClassifier.__qualname__}"},
-                "data": {"class_path": f"{ImageDataModule.__module__}.{ImageDataModule.__qualname__}"},
-            }
-        )
+        parser.set_defaults({key: {"class_path": path} for key, path in DEFAULT_CLASSES.items()})
+        self.__dict__.setdefault("_defaulted_parsers", []).append(parser)  # one per subcommand
         # A link whose source attribute the data lacks is skipped (jsonargparse ignores it for a subclass source).
         parser.link_arguments(
             "data.num_classes",
@@ -72,6 +91,25 @@ class GPipeCLI(LightningCLI):
         parser.add_argument(
             "--test_after_fit", type=bool, default=True, help="After `fit`, run `test` on the trained model (fit only)."
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse; where the config names a class of its own for ``model`` or ``data``, parse again without the default
+        class there.
+
+        jsonargparse keeps the arguments of a subclass value whose ``class_path`` changes where the new class takes
+        them too (on purpose: a command-line override of the class keeps the shared settings). From the default
+        class, that handed its defaults on: a DataModule of the user's with ``batch_size: int = 8`` trained with
+        ``ImageDataModule``'s 64, silently (and a model's ``lr`` would take ``AmoebaNetClassifier``'s).
+        """
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        own = [key for key, path in DEFAULT_CLASSES.items() if not _same_class(config.get(key), path)]
+        if not own:
+            return
+        for defaulted in self.__dict__.get("_defaulted_parsers", []):
+            defaulted.set_defaults({key: None for key in own})
+        super().parse_arguments(parser, args)
 
     def after_fit(self) -> None:
         if not self.config[self.subcommand].get("test_after_fit", True) or self.trainer.interrupted:

@@ -13,7 +13,9 @@ torchmetrics looks up its default sync function, ``gather_all_tensors``, in its 
 this rank alone: its own state, as one device holds it); a gather given a group (``process_group=`` on the metric,
 or ``sync(process_group=...)``) and every gather outside a strategy's run is torchmetrics' own. The module's metrics
 (at setup) and those the callbacks keep (at teardown) get :func:`replica_gather` as their sync function
-(:func:`keep_over`), which goes on syncing over the replicas for what the script computes after ``fit``.
+(:func:`keep_over`), which goes on syncing over the replicas for what the script computes after ``fit``; a module's
+metrics get it through :class:`OwnerAwareGather`, which syncs as torchmetrics does once the module runs under another
+strategy (a DDP ``validate`` of the trained module later in the same processes).
 
 Written by hand because torchmetrics has no default group to set, only ``process_group`` and ``dist_sync_fn`` per
 metric, and the metrics in question are not the package's to configure.
@@ -21,7 +23,10 @@ metric, and the metrics in question are not the package's to configure.
 
 from __future__ import annotations
 
+import itertools
+import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
@@ -31,7 +36,7 @@ import torchmetrics.metric as torchmetrics_metric
 from torch import Tensor, nn
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-__all__ = ["keep_over", "replica_gather", "route_default_sync", "routed", "sync_over_replicas"]
+__all__ = ["OwnerAwareGather", "keep_over", "replica_gather", "route_default_sync", "routed", "sync_over_replicas"]
 
 #: torchmetrics' own ``gather_all_tensors``, kept while :func:`_gather` stands in for it
 _torchmetrics_gather: Optional[Callable[..., list[Tensor]]] = None
@@ -100,9 +105,48 @@ def keep_over(holders: Iterable[object]) -> None:
     """
     modules = [h for h in holders if isinstance(h, nn.Module)]
     attributes = [v for h in holders if not isinstance(h, nn.Module) for v in getattr(h, "__dict__", {}).values()]
-    for metric in _metrics_in([*modules, *attributes], depth=2):
+    for module in modules:
+        gather = OwnerAwareGather(module)
+        for metric in _metrics_in([module], depth=0):
+            if metric.process_group is None and (metric.dist_sync_fn is None or _ours(metric.dist_sync_fn)):
+                metric.dist_sync_fn = gather
+    for metric in _metrics_in(attributes, depth=2):
         if metric.process_group is None and metric.dist_sync_fn is None:
             metric.dist_sync_fn = replica_gather
+
+
+def _ours(sync: Callable) -> bool:
+    return sync is replica_gather or isinstance(sync, OwnerAwareGather)
+
+
+#: the modules whose metrics an :class:`OwnerAwareGather` serves, by its token (this process's id and a count): weak
+_owners: "weakref.WeakValueDictionary[tuple[int, int], nn.Module]" = weakref.WeakValueDictionary()
+_tokens = itertools.count()
+
+
+class OwnerAwareGather:
+    """:func:`replica_gather` for the metrics of one module, as long as the module runs under this package's strategy
+    (or under none: the script's own ``compute()`` after ``fit``); torchmetrics' own gather once the module's trainer
+    runs another strategy.
+
+    A later run of the same module in the same processes (``Trainer(strategy="ddp").validate(model)`` after the
+    pipelined fit) must sync over every rank, as DDP does: with the last run's replica group, its metrics silently
+    stayed per rank (0.5 and 0.625 where DDP gives 0.5625). The metric tells its sync function nothing of its module,
+    so the function holds a token of it. Only the token is copied and pickled (a deep copy of the module shares it;
+    in another process it finds no module, and serves as :func:`replica_gather`).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.token = (os.getpid(), next(_tokens))
+        _owners[self.token] = module
+
+    def __call__(self, result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
+        module = _owners.get(self.token)
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        if strategy is not None and not getattr(strategy, "routes_metric_sync", False):
+            return (_torchmetrics_gather or gather_all_tensors)(result, group=group)
+        return replica_gather(result, group)
 
 
 def replica_gather(result: Tensor, group: Optional[Any] = None) -> list[Tensor]:

@@ -34,6 +34,7 @@ from lightning_gpipe._lightning import (
     START_METHODS,
     atomic_checkpoint_io,
     averaged_copies,
+    dump_model_state_with,
     count_throughput_per_pipeline,
     current_hook,
     evaluation_batches,
@@ -245,6 +246,8 @@ class GPipeStrategy(ParallelStrategy):
     """
 
     strategy_name = "gpipe"
+    #: the module's metrics keep syncing over the replicas while its trainer runs this strategy (see metric_sync)
+    routes_metric_sync = True
 
     def __init__(
         self,
@@ -377,6 +380,8 @@ class GPipeStrategy(ParallelStrategy):
         self._layouts: list[optim_state.Layout] = []  # per optimizer: its groups over the whole model
         self._emptied: list[torch.optim.Optimizer] = []  # optimizers given no parameters on this stage
         self._loaders: list[Any] = []  # the resumable training loaders handed to the loop
+        #: whether Lightning's checkpoint dump takes :meth:`_checkpoint_state_dict` (see ``dump_model_state_with``)
+        self._dump_routed = False
         self._buffers_due = True  # whether DDP would broadcast buffers before the next forward
         self._loader_position: Optional[dict[str, Any]] = None  # from a checkpoint, for the next training loader
         self._batch_idx = -1
@@ -601,7 +606,8 @@ class GPipeStrategy(ParallelStrategy):
             )
         pipe.whole_state_hint = (
             "call `trainer.save_checkpoint(path)` on every rank (the file holds every stage), "
-            "`trainer.strategy.lightning_module_state_dict()` on every rank (the whole model on rank 0), or "
+            "`trainer.strategy.lightning_module_state_dict()` on every rank (the whole model on rank 0, `{}` on "
+            "the other stages), or "
             "`state_dict()` after `trainer.fit` returns (the whole backbone is back in the module on every rank)"
         )
         setattr(owner, name, pipe)
@@ -781,6 +787,7 @@ class GPipeStrategy(ParallelStrategy):
         self._last_loss = None
         self._loaders = []  # this run's: a checkpoint's position goes to no earlier fit's loader
         self._buffers_due = True  # DDP broadcasts before a fit's first forward (see _first_replicas_buffers)
+        self._dump_routed = dump_model_state_with(trainer, self._checkpoint_state_dict)
         self._sigterm.install(trainer)  # before the Trainer registers its signal handlers
         self._requeue.install(trainer, self.cluster_environment, self.world_size)
         self._interrupt.install(trainer, self.world_size, self.global_rank)
@@ -1451,7 +1458,33 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state_dict under its original keys, on the first stage; collective.
+        """The whole model's state_dict under its original keys on the first stage of each pipeline, and ``{}`` on
+        the other stages, whatever ``state_dict_type``; collective over the pipeline.
+
+        For the user who asks for the model. An other stage gets nothing rather than its own part under the whole
+        model's keys, which saved or loaded would silently lose the other stages' layers (as Lightning's FSDP gives
+        the full state on rank 0 alone). Lightning's checkpoint dump takes :meth:`_checkpoint_state_dict` instead.
+        """
+        if not self._dump_routed:
+            return self._checkpoint_state_dict()
+        if self.pipe is None or self.pipe.group is None:
+            return self._checkpoint_state_dict()  # the whole model (or, after a sharded run, the refusal)
+        if self.failed:
+            raise RuntimeError(
+                "lightning_module_state_dict() was called after a stage of the pipeline failed: the stages cannot "
+                "be gathered into the whole model any more. Use the last checkpoint saved before the failure."
+            )
+        module = self.lightning_module
+        assert module is not None
+        full_backbone = model_state.gather_state_dict(self.pipe)
+        if full_backbone is None:
+            return {}
+        with self._stage_state():
+            local = module.state_dict()
+        return model_state.merge_backbone(local, full_backbone, self.backbone + ".", module)
+
+    def _checkpoint_state_dict(self) -> dict[str, Any]:
+        """The module's state for Lightning's checkpoint dump: the whole model on the first stage; collective.
 
         With ``state_dict_type="sharded"`` every stage keeps its own part; the checkpoint writer stores it.
         """
@@ -1762,7 +1795,8 @@ class GPipeStrategy(ParallelStrategy):
         if trainer is not None and self._mesh is not None:  # their metrics, computed after `fit`, count samples once
             metric_sync.keep_over(trainer.callbacks)  # type: ignore[attr-defined]
         metric_sync.sync_over_replicas(None, kept=self.replica_group)
-        if trainer is not None:  # the trainer's callbacks as the user left them
+        if trainer is not None:  # the trainer's callbacks and checkpoint dump as the user left them
+            dump_model_state_with(trainer, None)
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
         if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
             self._board.stop()

@@ -608,7 +608,8 @@ def overfit_batches() -> Scenario:
 
 
 def fast_dev_run() -> Scenario:
-    return Scenario(Base(), val=_loader(samples=16), trainer={"fast_dev_run": 2})
+    # with a logger, which fast_dev_run swaps for its DummyLogger: that one was taken for a graph-tracing logger
+    return Scenario(Base(), val=_loader(samples=16), trainer={"fast_dev_run": 2}, logger=True)
 
 
 def accumulation_scheduler() -> Scenario:

@@ -69,6 +69,33 @@ def _resume(strategy: Any, devices: int, ckpt_path: str, max_steps: int, **model
     return {"weights": _state(net)}
 
 
+class CountsValidated(M.Net):
+    """Counts the validation samples it sees in a torchmetrics ``SumMetric``, logged at the epoch's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.seen = torchmetrics.SumMetric()
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.update(torch.tensor(float(len(batch[1]))))
+        self.log("seen", self.seen, on_epoch=True)
+
+
+def validated_by_ddp_after_a_pipelined_fit() -> float:
+    """A module fitted by the pipeline (2 replicas of 2 stages), then validated by DDP over the same 4 processes: the
+    samples its metric counted over every rank (40, as a module DDP alone validated counts)."""
+    from lightning_gpipe import GPipeStrategy
+
+    net = CountsValidated()
+    L.Trainer(strategy=GPipeStrategy(pipe_size=2, chunks=2), devices=4, **M.trainer_kwargs(max_steps=1)).fit(
+        net, M.loader(batch_size=BATCH)
+    )
+    trainer = L.Trainer(strategy=DDPStrategy(), devices=4, **M.trainer_kwargs(limit_val_batches=None))
+    return float(trainer.validate(net, M.loader(batch_size=BATCH, shuffle=False), verbose=False)[0]["seen"])
+
+
 def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     from lightning_gpipe import GPipeStrategy
 
@@ -92,6 +119,7 @@ def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out["first stage"] = trainer.strategy.layout.stage_of(rank) == 0
     out["pipe_size=1"] = _fit(GPipeStrategy(pipe_size=1, chunks=2), 4, optimizer="adam")
     out["ddp"] = _fit(DDPStrategy(), 4, optimizer="adam")
+    out["ddp validates after the pipeline"] = validated_by_ddp_after_a_pipelined_fit()
     # BatchNorm outside the backbone and in it: each replica's data moved its running statistics apart, where DDP
     # gives every rank rank 0's (broadcast_buffers); a validation every 2 steps and accumulation over 2 batches follow
     # DDP's rule of when it broadcasts

@@ -10,7 +10,7 @@ from typing import Any
 import _models as M
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_gpipe.checkpointing.model_state import meta_state_allowed
@@ -50,11 +50,13 @@ def run(
     seed: int = 0,
     frozen: bool = False,
     estimate_steps: bool = False,
+    whole_at_end: bool = False,
 ) -> dict[str, Any]:
     """Train (or resume) and return the weights; ``save_every`` keeps a checkpoint every that many steps.
 
     ``frozen``: the first layer's weight gets no gradient (so Adam keeps no state for it). ``warned``:
-    the strategy's warnings about random streams.
+    the strategy's warnings about random streams. ``whole_at_end``: also what the strategy's
+    ``lightning_module_state_dict()`` gave in ``on_train_end``, while the backbone was still partitioned.
     """
     L.seed_everything(seed, verbose=False)
     model = M.Net(optimizer, **(RANDOM if random else {}))
@@ -66,6 +68,9 @@ def run(
         callbacks.append(
             ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)
         )
+    whole = WholeStateAtTrainEnd()
+    if whole_at_end:
+        callbacks.append(whole)
     # with max_epochs the estimate counts the training batches, setting the training data up then (else: max_steps)
     trainer = _trainer(devices, strategy or {}, max_steps, callbacks, **({"max_epochs": 2} if estimate_steps else {}))
     with warnings.catch_warnings(record=True) as caught:
@@ -79,25 +84,38 @@ def run(
     return {
         "weights": _weights(model),
         "state_dict refused": refused,
+        "whole at end": whole.state,
         "losses": list(model.losses),
         "warned": [str(w.message) for w in caught if "random streams" in str(w.message)],
     }
 
 
-def save_for_repartition(rank: int, world_size: int, directory: str) -> dict[str, str | None]:
-    """K stages write step-3 checkpoints (mid-epoch), full and sharded, for another K to resume; whether the
-    model's ``state_dict()`` after each run refused (its message)."""
-    refused = {}
+class WholeStateAtTrainEnd(Callback):
+    """Keeps what ``trainer.strategy.lightning_module_state_dict()`` gives in ``on_train_end`` (on every rank)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.state = {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+def save_for_repartition(rank: int, world_size: int, directory: str) -> dict[str, dict[str, Any]]:
+    """K stages write step-3 checkpoints (mid-epoch), full and sharded, for another K to resume; per kind, whether
+    the model's ``state_dict()`` after the run refused (its message), and the strategy's state_dict at its end."""
+    out = {}
     for kind in ("full", "sharded"):
-        refused[kind] = run(
+        result = run(
             world_size,
             "adam",
             strategy={"state_dict_type": kind},
             max_steps=3,
             save_every=3,
             directory=os.path.join(directory, f"{kind}-k{world_size}"),
-        )["state_dict refused"]
-    return refused
+            whole_at_end=True,
+        )
+        out[kind] = {"refused": result["state_dict refused"], "whole": result["whole at end"]}
+    return out
 
 
 def resume_everything(rank: int, world_size: int, directory: str, one_device_ckpt: str) -> dict[str, Any]:

@@ -25,13 +25,25 @@ def runs(tmp_path_factory):
 
 def test_after_a_sharded_run_the_modules_state_dict_refuses_naming_the_stage_and_consolidate(runs):
     # each process keeps its own stage and the others' layers on meta, which torch.save writes without complaint
-    for rank, refused in enumerate(runs["saved"]):
-        assert refused["full"] is None  # after a full run the whole model is back on every rank
-        message = refused["sharded"]
+    for rank, saved in enumerate(runs["saved"]):
+        assert saved["full"]["refused"] is None  # after a full run the whole model is back on every rank
+        message = saved["sharded"]["refused"]
         assert message is not None and message.startswith(
             f"state_dict() after a run with state_dict_type='sharded': this process kept only stage {rank}'s"
         )
         assert "lightning_gpipe.checkpointing.consolidate(path)" in message
+
+
+def test_the_strategys_state_dict_is_the_whole_model_on_the_first_stage_and_empty_on_the_others_in_both_kinds(runs):
+    # with state_dict_type="sharded" it gave each rank its own stage under the whole model's keys, silently (rank 0
+    # got 2 of a 5-layer backbone's layers), though the README names it as the way to the whole model
+    full, sharded = (runs["saved"][0][kind]["whole"] for kind in ("full", "sharded"))
+    saved = torch.load(os.path.join(runs["directory"], "full-k3", "step=3.ckpt"), weights_only=True)["state_dict"]
+    assert list(full) == list(saved)  # every key, in one device's order: what the checkpoint of that step holds
+    assert_same_weights(full, saved, atol=0)
+    assert_same_weights(sharded, full, atol=0)  # the same training: only the kind of checkpoint differs
+    for rank in (1, 2):  # nothing, rather than a part that looks whole
+        assert runs["saved"][rank]["full"]["whole"] == {} and runs["saved"][rank]["sharded"]["whole"] == {}
 
 
 def assert_same_weights(got, expected, atol=1e-6):

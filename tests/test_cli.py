@@ -8,10 +8,12 @@ import re
 import sys
 from unittest import mock
 
+import lightning as L
 import pytest
 import tomllib
 import torch
 from _scripts import ROOT, run_script
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe.cli import run
 
@@ -52,6 +54,61 @@ def test_config_parses_and_fits_then_tests_with_fast_dev_run_at_a_tiny_size(conf
     assert cli.trainer.state.finished and cli.trainer.state.fn == "test"  # fit, then the test after it
     assert cli.trainer.callback_metrics["test/acc"].numel() == 1
     assert cli.model.num_classes == cli.datamodule.num_classes  # linked from the data
+
+
+class OwnData(L.LightningDataModule):
+    """A DataModule of a user's, of 8x8 RGB images, whose argument shares its name with the default data's (64 there)."""
+
+    def __init__(self, batch_size: int = 8, num_classes: int = 10) -> None:
+        super().__init__()
+        self.batch_size, self.num_classes = batch_size, num_classes
+
+    def train_dataloader(self) -> DataLoader:
+        images, labels = torch.randn(32, 3, 8, 8), torch.randint(0, self.num_classes, (32,))
+        return DataLoader(TensorDataset(images, labels), batch_size=self.batch_size)
+
+
+class OwnModel(L.LightningModule):
+    """A model of a user's, whose arguments share names with the default model's (10 classes and a
+    `label_smoothing` of 0.0 there)."""
+
+    def __init__(self, num_classes: int = 3, label_smoothing: float = 0.25) -> None:
+        super().__init__()
+        self.num_classes, self.label_smoothing = num_classes, label_smoothing
+        self.backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 8), torch.nn.Linear(8, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.backbone(x), y, label_smoothing=self.label_smoothing)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("own", [["data"], ["model", "data"]], ids=["own data", "own model and data"])
+def test_a_config_naming_its_own_classes_keeps_their_defaults_not_the_default_classes(own, tmp_path):
+    # jsonargparse hands the arguments of the default class on to the class a config names where it takes them too:
+    # a DataModule whose batch_size defaults to 8 trained on batches of 64, ImageDataModule's
+    config = tmp_path / "own.yaml"
+    lines = [f"{key}:\n  class_path: test_cli.Own{key.capitalize()}" for key in own]
+    config.write_text("\n".join(["trainer: {accelerator: cpu, devices: 1}", *lines]) + "\n")
+    with mock.patch.dict(os.environ), mock.patch.object(sys, "argv", ["lightning-gpipe"]):
+        cli = run(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--trainer.fast_dev_run=true",
+                f"--trainer.default_root_dir={tmp_path}",
+                "--test_after_fit=false",
+                *([] if "model" in own else ["--model.num_layers=3", "--model.num_filters=8", "--model.stem=small"]),
+            ]
+        )
+    assert cli.datamodule.batch_size == 8
+    if "model" in own:
+        assert cli.model.label_smoothing == 0.25
+    else:  # the default model, with its own defaults, and its classes from the data
+        assert cli.model.label_smoothing == 0.0 and cli.model.num_classes == cli.datamodule.num_classes == 10
 
 
 def test_console_script_is_declared():

@@ -116,6 +116,12 @@ def test_an_evaluation_whose_replicas_get_different_batch_counts_is_refused_on_e
         assert "a multiple of the batch size times the replicas" in error
 
 
+def test_a_modules_metric_syncs_over_every_rank_when_ddp_validates_it_after_the_pipelined_fit(runs):
+    # its sync function kept the pipeline's replica group: DDP's validation counted 20 samples (2 of 4 ranks) of 40
+    for rank in range(4):
+        assert runs[rank]["ddp validates after the pipeline"] == 40.0
+
+
 def test_pipe_size_1_is_lightnings_ddp(runs):
     for rank in range(4):
         _close(runs[rank]["pipe_size=1"]["weights"], runs[rank]["ddp"]["weights"])

@@ -471,6 +471,8 @@ def test_the_modules_state_dict_during_a_pipelined_fit_refuses_and_the_ways_it_n
             assert list(whole) == list(whole_after_fit)
             for name, value in whole_after_fit.items():
                 torch.testing.assert_close(whole[name], value, atol=1e-6, rtol=0)
+        else:  # nothing, rather than this stage's part under the whole model's keys
+            assert state["whole"] == {}
     # on purpose, each stage's own part: together the whole backbone, once
     own = [{k for k in keys if k.startswith("backbone.")} for keys in stage_keys]
     assert not own[0] & own[1] and {k[len("backbone.") :] for k in own[0] | own[1]} == set(whole_after_fit)
