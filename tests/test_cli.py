@@ -57,7 +57,8 @@ def test_config_parses_and_fits_then_tests_with_fast_dev_run_at_a_tiny_size(conf
 
 
 class OwnData(L.LightningDataModule):
-    """A DataModule of a user's, of 8x8 RGB images, whose argument shares its name with the default data's (64 there)."""
+    """A DataModule of a user's, of 8x8 RGB images, whose argument shares its name with the default data's (64
+    there)."""
 
     def __init__(self, batch_size: int = 8, num_classes: int = 10) -> None:
         super().__init__()
