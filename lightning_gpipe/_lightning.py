@@ -6,10 +6,13 @@ monitor and the checkpoints use Lightning's public API everywhere else.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import operator
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -180,9 +183,85 @@ class MainProcessLauncher(_MultiProcessingLauncher):
 
 class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
     on_failure: OnFailure
+    #: seconds from a failure on rank 0 to its exit after which the ranks it started that still run are killed
+    children_grace: float = 15.0
+    #: seconds from a rank's death to Lightning's killing of every rank (see _patient_observer)
+    observer_grace: float = 45.0
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
-        return super().launch(_reporting(function, self.on_failure), *args, trainer=trainer, **kwargs)
+        def observed(*args: Any, **kwargs: Any) -> Any:  # runs once Lightning started the other ranks and its observer
+            _patient_observer(self.observer_grace)
+            return function(*args, **kwargs)
+
+        try:
+            return super().launch(_reporting(observed, self.on_failure), *args, trainer=trainer, **kwargs)
+        except _TunerExitException:
+            raise
+        except BaseException:
+            if self.procs:  # rank 0, which started the other ranks of this node
+                _end_children_at_exit(self.procs, self.children_grace)
+            raise
+
+
+def _patient_observer(grace: float) -> None:
+    """Make Lightning's child-process observer say which rank died, and wait ``grace`` seconds before it kills every
+    rank (itself with SIGKILL).
+
+    Lightning's popen launcher watches the ranks it started and, once one exits with an error, kills all of them and
+    the main process at once: the job ended with code 137 and "Child process with PID 31044 terminated with code -9",
+    naming no rank, before the pipeline could say which stage was gone and why. The failure board names it within a
+    second or two and ends every rank by itself; the observer's kill stays as the last resort. Private: the observer
+    thread (named ``child-process-observer``) and its ``_run`` and ``_child_processes``.
+    """
+    for thread in threading.enumerate():
+        run, children = getattr(thread, "_run", None), getattr(thread, "_child_processes", None)
+        if thread.name != "child-process-observer" or run is None or children is None:
+            continue
+        died: dict[int, float] = {}
+
+        def patient(run: Callable[[], bool] = run, children: list[Any] = children, died: dict = died) -> bool:
+            for rank, child in enumerate(children, start=1):
+                if child.poll() and rank not in died:
+                    died[rank] = time.monotonic()
+                    code = child.returncode
+                    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                    sys.stderr.write(
+                        f"[lightning_gpipe] rank {rank} (pid {child.pid}) ended with {how}; the other ranks end with "
+                        f"the pipeline's error that names it (Lightning's launcher kills them after {grace:.0f}s)\n"
+                    )
+                    sys.stderr.flush()
+            if died and time.monotonic() - min(died.values()) < grace:
+                return False
+            return run()
+
+        thread._run = patient  # type: ignore[attr-defined]
+
+
+def _end_children_at_exit(children: list[Any], grace: float) -> None:
+    """At this process's exit, kill the ranks it started that still run ``grace`` seconds after now.
+
+    Lightning's popen launcher kills every rank when a child dies, but not when rank 0 (this process) fails: a rank
+    that cannot end itself outlived the job. A frozen one (SIGSTOP, a debugger, a stuck driver call in the kernel) runs
+    no watchdog: measured, it stayed stopped for good, and a reader of the job's output (`subprocess.run` with
+    `capture_output`, a CI step's pipe) waited for it without end. Ranks that can end themselves do so first: with the
+    failure (within a second) or by their watchdog (``watchdog_grace``).
+    """
+    deadline = time.monotonic() + grace
+
+    def _end() -> None:
+        for child in children:
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                sys.stderr.write(
+                    f"[lightning_gpipe] rank 0: killing the process {child.pid} this rank started, which has not ended "
+                    f"{grace:.0f}s after the run failed (frozen or stopped: it cannot end itself)\n"
+                )
+                sys.stderr.flush()
+                child.kill()
+                child.wait()
+
+    atexit.register(_end)
 
 
 #: How the strategy's processes can be started: Lightning's subprocess launcher, or its multiprocessing one
@@ -298,6 +377,9 @@ def launcher(
         chosen = _ReportingMultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
         chosen.on_workers_failure = on_workers_failure
     chosen.on_failure = on_failure
+    if isinstance(chosen, _ReportingSubprocessLauncher):  # the ranks end themselves by then
+        chosen.children_grace = strategy.watchdog_grace + 5.0
+        chosen.observer_grace = strategy.failure_timeout + strategy.watchdog_grace + 5.0
     return chosen
 
 

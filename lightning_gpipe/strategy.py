@@ -1050,9 +1050,18 @@ class GPipeStrategy(ParallelStrategy):
         if found is None:
             return
         stage, first, other = found
+        apart = [f"{v:.7g} on stage {s}" for s, v in ((0, first), (stage, other)) if not math.isfinite(v)]
+        unfinite = (
+            f" Only {' and '.join(apart)} is not finite: the loss overflowed or met a NaN on some stages alone, which "
+            "one device cannot do (the same backbone output reaches every stage), so the loss read something only "
+            "those ranks hold."
+            if len(apart) == 1
+            else ""
+        )
         raise PipelineError(
             f"The pipeline's stages computed different losses in {which}: {first:.7g} on stage 0 (rank "
-            f"{pipe.ranks[0]}) but {other:.7g} on stage {stage} (rank {pipe.ranks[stage]}). {DIFFERENT_LOSS_CAUSES}"
+            f"{pipe.ranks[0]}) but {other:.7g} on stage {stage} (rank {pipe.ranks[stage]}).{unfinite} "
+            f"{DIFFERENT_LOSS_CAUSES}"
         )
 
     @override
@@ -1093,7 +1102,33 @@ class GPipeStrategy(ParallelStrategy):
         super().on_train_start()
         trainer = self._trainer()
         if trainer is not None:  # after every callback's and the module's on_train_start
+            self._refuse_uneven_training(trainer)
             trainer.should_stop = self._any_stops(trainer.should_stop)
+
+    def _refuse_uneven_training(self, trainer: "pl.Trainer") -> None:
+        """Refuse, on every rank, a fit whose ranks would run different numbers of training batches an epoch.
+
+        The stages of a pipeline must get the same batches, and every rank agrees with all the others at the end of
+        each batch. Loaders whose batches are equal while both last pass the batch check, and the rank that ran out
+        first left the others waiting: a deadlock, named only after ``failure_timeout`` + 5 s. Unknown lengths (an
+        IterableDataset) cannot be compared here; the deadlock check names those.
+        """
+        if self.pipe is None or self.world_size == 1:
+            return
+        mine = torch.tensor([float(trainer.num_training_batches)], device=self.root_device)
+        gathered = distributed.all_gather(mine, watch=self._watch("the training batch counts of every rank"))
+        counts = gathered[:, 0].tolist()
+        if all(c == counts[0] for c in counts) or any(math.isinf(c) for c in counts):
+            return
+        shown = ", ".join(f"rank {r} (stage {self.layout.stage_of(r)}): {int(c)}" for r, c in enumerate(counts))
+        raise ValueError(
+            f"The ranks would run different numbers of training batches an epoch ({shown}). The stages of a pipeline "
+            "must get the same batches, and every rank agrees with the others at the end of each batch, so the rank "
+            "that ran out first would leave the others waiting. Usual causes: a sampler, DataLoader or Dataset of your "
+            "own built differently per rank (its length from the global rank, or from data drawn unseeded). Shard by "
+            "data-parallel replica (`trainer.strategy.distributed_sampler_kwargs`, which Lightning's own sampler "
+            "uses), never by global rank, and give every rank of a pipeline the same data."
+        )
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:

@@ -432,3 +432,25 @@ def failing_layer(rank: int, world_size: int, in_backward: bool) -> str:
     finally:
         pipe.close()
         dist.destroy_process_group()
+
+
+def killed_between_steps(rank: int, world_size: int) -> str:
+    """Stage 1's process dies after a step, as a SIGKILL or the out-of-memory killer ends one (nothing published);
+    stage 0 goes on to the next step 2 s later, whose first act is to send stage 1 activations. What it raised."""
+    import os
+    import time
+
+    from lightning_gpipe import GPipe
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    pipe = GPipe(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), [2, 2], chunks=4)
+    pipe(torch.randn(16, 64)).sum().backward()
+    if rank == 1:
+        os._exit(3)
+    time.sleep(2.0)
+    try:
+        pipe(torch.randn(16, 64)).sum().backward()
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"

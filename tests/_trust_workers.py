@@ -283,12 +283,14 @@ class PenaltyOverParameters(M.Net):
     """An L2 penalty over ``self.parameters()`` added to the loss: during a fit, this rank's stage and the head.
     ``last_only``: in the last training step alone, so that only the check at the end of training can see it."""
 
-    def __init__(self, last_only: bool) -> None:
+    def __init__(self, last_only: bool, nan_on_rank_1: bool = False) -> None:
         super().__init__()
-        self.last_only = last_only
+        self.last_only, self.nan_on_rank_1 = last_only, nan_on_rank_1
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
+        if self.nan_on_rank_1:  # a term that only rank 1 computes as NaN (as a rank-dependent overflow does)
+            return loss + (float("nan") if self.global_rank == 1 else 0.0)
         if not self.last_only or self.trainer.global_step == self.trainer.max_steps - 1:
             loss = loss + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
         return loss
@@ -333,7 +335,7 @@ def penalized_loss(rank: int, world_size: int, when: str) -> None:
     elif when == "gradient penalty":
         _fit(GradientPenalty(), world_size)
     else:
-        _fit(PenaltyOverParameters(last_only=when == "last step"), world_size)
+        _fit(PenaltyOverParameters(last_only=when == "last step", nan_on_rank_1=when == "nan on rank 1"), world_size)
 
 
 class DrawnAfterTheSplit(M.Net):
@@ -383,6 +385,27 @@ def stream_of_another_length(rank: int, world_size: int) -> None:
     strategy = GPipeStrategy(chunks=2, failure_timeout=3.0)
     trainer = L.Trainer(strategy=strategy, devices=world_size, **M.trainer_kwargs(max_steps=-1, max_epochs=2))
     trainer.fit(M.Net(), DataLoader(LongerOnRankOne(rank), batch_size=4))
+
+
+class FirstOnRank(torch.utils.data.Sampler):
+    """The first 40 samples in order on rank 0 and the first 32 on rank 1: the same batches while both last."""
+
+    def __init__(self, rank: int) -> None:
+        self.count = 40 if rank == 0 else 32
+
+    def __iter__(self):
+        return iter(range(self.count))
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def loaders_of_other_lengths(rank: int, world_size: int) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs(max_steps=-1))
+    trainer.fit(M.Net(), DataLoader(M.dataset(40), batch_size=8, sampler=FirstOnRank(rank)))
 
 
 class LightningsGradNorm(M.Net):
@@ -651,6 +674,31 @@ def stuck(directory: str) -> None:
     with open(os.path.join(directory, f"pid{rank}"), "w") as file:
         file.write(str(os.getpid()))
     trainer.fit(StuckOnRankOne(), M.loader())
+
+
+class FrozenOnRankOne(M.Net):
+    """Rank 1 stops itself (SIGSTOP) in ``training_step`` of batch 2: frozen, it runs no watchdog of its own."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2 and self.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().training_step(batch, batch_idx)
+
+
+def frozen(directory: str) -> None:
+    """A fit under Lightning's popen launcher whose rank 1 is frozen; each rank writes its pid first."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(chunks=2, failure_timeout=3.0, watchdog_grace=1.0),
+        devices=2,
+        **M.trainer_kwargs(max_steps=6),
+    )
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    with open(os.path.join(directory, f"pid{rank}"), "w") as file:
+        file.write(str(os.getpid()))
+    trainer.fit(FrozenOnRankOne(), M.loader())
 
 
 class AbortsOnRankOne(Callback):

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _engine_workers import checkpointed_backbone, failing_layer, plain_pipeline, reference, targets_of_another_rank
+from _engine_workers import (
+    checkpointed_backbone,
+    failing_layer,
+    killed_between_steps,
+    plain_pipeline,
+    reference,
+    targets_of_another_rank,
+)
 from torch import nn
 
 from lightning_gpipe import GPipe
@@ -173,6 +180,15 @@ def test_a_layer_error_in_a_plain_pipeline_reaches_the_other_stage_with_its_caus
     assert outcome.results[other].startswith(
         f"PipelineError: stage {failed} (rank {failed}) failed: ValueError: boom in {where}"
     ), outcome.results
+
+
+def test_a_send_to_a_stage_that_was_killed_names_the_stage_instead_of_the_transports_address():
+    # gloo's "Connection closed by peer [127.0.0.1]:54488" came out of dist.isend bare, naming no stage
+    outcome = run_processes(killed_between_steps, 2, timeout=120)
+    assert outcome.exitcodes == [0, 3], outcome.errors
+    error = outcome.results[0]
+    assert error.startswith("PipelineError: Lost the connection to stage 1 (rank 1) during a send to stage 1"), error
+    assert "ended without reporting an error" in error and "The transport said: RuntimeError: " in error
 
 
 def test_the_backbone_inside_torchs_checkpoint_trains_when_reentrant_and_is_refused_at_once_otherwise():

@@ -120,12 +120,30 @@ def test_a_rank_hung_in_its_own_step_under_the_default_launcher_ends_with_its_st
         assert _ends(int((tmp_path / f"pid{rank}").read_text()), within=5.0), f"rank {rank} outlived the job"
 
 
+def test_a_frozen_rank_under_the_default_launcher_is_killed_by_rank_zero_at_its_exit_instead_of_outliving_the_job(
+    tmp_path,
+):
+    # rank 0 named the rank that stopped responding and exited, but the frozen rank (SIGSTOP) stayed stopped for good,
+    # and `subprocess.run(capture_output=True)` waited on its inherited pipes: the job never ended for its caller
+    result, seconds = _under_the_default_launcher(tmp_path, f"frozen({str(tmp_path)!r})")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert seconds < BOUND
+    assert "PipelineError: stage 1 (rank 1) stopped responding" in result.stderr
+    pid = int((tmp_path / "pid1").read_text())
+    assert f"rank 0: killing the process {pid} this rank started, which has not ended 6s after" in result.stderr
+    assert _ends(pid, within=5.0)
+
+
 def test_a_rank_that_dies_in_native_code_prints_its_python_stack_and_the_job_ends(tmp_path):
     # a native abort (gloo's on a collective called on some ranks only) left no trace of where: the peers said only
     # that rank 1 was lost
     result, seconds = _under_the_default_launcher(tmp_path, "aborted()")
-    assert result.returncode != 0
+    # and Lightning's launcher no longer kills rank 0 first (exit -9, "Child process with PID ... terminated with code
+    # -6", no rank named): it says which rank died, and rank 0 ends with the error that names its stage
+    assert result.returncode == 1, result.stderr[-3000:]
     assert seconds < BOUND
+    assert re.search(r"\[lightning_gpipe\] rank 1 \(pid \d+\) ended with signal SIGABRT", result.stderr)
+    assert "PipelineError: Lost the connection to stage 1 (rank 1)" in result.stderr, result.stderr[-3000:]
     assert "Fatal Python error: Aborted" in result.stderr
     assert re.search(r'File ".*_trust_workers.py", line \d+ in on_train_batch_end', result.stderr), result.stderr[
         -3000:
@@ -313,7 +331,12 @@ def test_stages_whose_learning_rates_differ_stop_before_the_next_step_naming_the
 
 
 @pytest.mark.parametrize(
-    "when, which", [("every step", "the training step before batch 1"), ("last step", "training batch 4")]
+    "when, which",
+    [
+        ("every step", "the training step before batch 1"),
+        ("last step", "training batch 4"),
+        ("nan on rank 1", "the training step before batch 1"),
+    ],
 )
 def test_a_loss_that_depends_on_the_stage_stops_every_rank_naming_both_losses(when, which):
     # a penalty over self.parameters() adds each stage's own part: the logged loss was stage 0's part only
@@ -324,6 +347,8 @@ def test_a_loss_that_depends_on_the_stage_stops_every_rank_naming_both_losses(wh
         assert "on stage 0 (rank 0) but" in error and "on stage 1 (rank 1)" in error
         assert "self.parameters()" in error and "weight_decay" in error
         assert "auxiliary loss" in error and "from the backbone's output" in error
+        if when == "nan on rank 1":  # which one is not finite, and what that says
+            assert "but nan on stage 1 (rank 1). Only nan on stage 1 is not finite: the loss overflowed" in error
 
 
 def test_a_loss_that_adds_a_term_a_backbone_layer_kept_ends_every_rank_saying_how_a_pipeline_meets_a_freed_graph():
@@ -390,6 +415,17 @@ def test_a_stream_longer_on_one_rank_ends_every_rank_with_the_deadlock_naming_th
     for error in outcome.errors:
         assert "a deadlock" in error and "a decision of every rank (stop or go on)" in error, error
         assert "training data ran out at different batches" in error
+
+
+def test_loaders_of_other_lengths_on_the_ranks_are_refused_at_the_start_of_training_naming_each_ranks_count():
+    # their batches were equal while both lasted, so the batch check had nothing to find: the ranks went on to a
+    # deadlock at the shorter one's epoch end, named after failure_timeout + 5 s (47 s in the outside tester's run)
+    outcome = run_processes(W.loaders_of_other_lengths, 2, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    for error in outcome.errors:
+        assert error.startswith("ValueError: The ranks would run different numbers of training batches an epoch"), error
+        assert "rank 0 (stage 0): 5, rank 1 (stage 1): 4" in error and "distributed_sampler_kwargs" in error
+    assert outcome.seconds < 30
 
 
 def test_a_gradient_penalty_through_the_backbone_ends_every_rank_before_its_first_step():

@@ -57,8 +57,16 @@ _IN_FLIGHT = 2
 class Link:
     """The sending end of one directed pair: non-blocking sends that are waited for at :meth:`flush`."""
 
-    def __init__(self, group: dist.ProcessGroup, dst: int, name: str, inline_limit: int = 0) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        dst: int,
+        name: str,
+        inline_limit: int = 0,
+        board: Optional[FailureBoard] = None,
+    ) -> None:
         self.group, self.dst, self.name, self.inline_limit = group, dst, name, inline_limit
+        self.board = board  # where a broken send looks for the peer's own account of its failure
         self._pending: list[tuple[dist.Work, Tensor, Optional[Tensor]]] = []  # (work, frame, its pooled buffer)
         # Inline frame buffers whose sends completed, by size, for reuse (see `frames`). Gloo reports a send
         # complete only once it is waited for (measured: still not 0.5 s after the peer had it), so a buffer
@@ -95,7 +103,10 @@ class Link:
         return pooled
 
     def _isend(self, tensor: Tensor, pooled: Optional[Tensor] = None) -> None:
-        work = dist.isend(tensor, self.dst, group=self.group)
+        try:
+            work = dist.isend(tensor, self.dst, group=self.group)
+        except RuntimeError as error:  # gloo's "Connection closed by peer [127.0.0.1]:8599" names no stage
+            raise self._lost(error) from error
         if work is None:  # torch's answer for a rank outside the group
             raise PipelineError(f"Cannot send to {self.name}: this rank is not in the pair's process group.")
         self._pending.append((work, tensor, pooled))
@@ -114,10 +125,21 @@ class Link:
                     self._spare.setdefault(pooled.numel(), []).append(pooled)
                     self._spare.move_to_end(pooled.numel())
         except RuntimeError as error:  # the transport's error says which address failed, not which stage
-            raise PipelineError(f"Lost the connection to {self.name}: {error}") from error
+            raise self._lost(error) from error
         self._pending = pending
         while len(self._spare) > _FRAME_SIZES:
             self._spare.popitem(last=False)
+
+    def _lost(self, error: RuntimeError) -> PipelineError:
+        """The error for a send the transport broke: the failure a peer published, if one comes within a second (a
+        killed peer publishes nothing; the store's host, rank 0, takes the store with it, which the board names),
+        else the stage, named by the heartbeats that stopped."""
+        account = self.board.wait_for_failure(1.0) if self.board is not None else None
+        if account is not None:
+            return PipelineError(account)
+        if self.board is not None:
+            return self.board.lost(f"a send to {self.name}", error)
+        return PipelineError(f"Lost the connection to {self.name}: {error}")
 
     def flush(self) -> None:
         """Wait until everything sent so far has been received."""
@@ -271,7 +293,7 @@ class Channels:
             if group is None:  # this rank is not one of the pair
                 continue
             if rank == src:
-                self.links[dst] = Link(group, dst, f"stage {layout.stage_of(dst)} (rank {dst})", inline)
+                self.links[dst] = Link(group, dst, f"stage {layout.stage_of(dst)} (rank {dst})", inline, board)
             if rank == dst:
                 stage = layout.stage_of(src)
                 self.inboxes[src] = Inbox(group, src, device, f"stage {stage} (rank {src})", board, timeout, inline)

@@ -61,5 +61,5 @@ def stray_message_error(message: Message, sender: str, stage: int, situation: st
     """The error for a message that waits untaken while stage ``stage`` is outside the pipeline (``situation``)."""
     return (
         f"The pipeline's stages fell out of step: {situation}, but {sender} sent {message.tag.describe()}, a call "
-        f"that stage {stage} did not make. {OUT_OF_STEP_CAUSES}"
+        f"that stage {stage} has not made. {OUT_OF_STEP_CAUSES}"
     )

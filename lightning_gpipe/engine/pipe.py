@@ -492,7 +492,8 @@ class GPipe(nn.Module):
             return None
         situation = (
             f"stage {self.stage} has had no backbone call under way for {older_than:.0f}s (or it has been busy that "
-            f"long outside the backbone: in a step, hook or data loader that hangs or is that slow)"
+            f"long outside the backbone: in a step, hook or data loader that hangs or is that slow; where it is only "
+            f"that slow, give the job a larger failure timeout, `GPipeStrategy(failure_timeout=...)`)"
         )
         return stray_message_error(stray[1], stray[0], self.stage, situation)
 
