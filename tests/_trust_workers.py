@@ -231,7 +231,8 @@ class ImagesNet(M.Net):
 
 
 def different_batches(rank: int, world_size: int, cause: str) -> None:
-    """The stages get different batches: unseeded randomness, a per-rank stream, or loaders of unequal lengths."""
+    """The stages get different batches: unseeded randomness, a per-rank stream or text, or a batch object. (Loaders of
+    unequal lengths are refused before the first batch: ``loaders_of_other_lengths``.)"""
     L.seed_everything(0, verbose=False)
     random.seed(rank)  # another global stream on each rank: harmless, the stages take the first stage's
     if cause == "unseeded random":
@@ -246,8 +247,6 @@ def different_batches(rank: int, world_size: int, cause: str) -> None:
     elif cause == "unseeded batch object":  # the fingerprint read only the class's name: it trained on, silently
         _fit(ImagesNet(), world_size, data=DataLoader(NoisyDigits(), batch_size=8, collate_fn=_images))
         return
-    else:  # rank 1 has one batch less per epoch, so its second epoch starts while rank 0 is still in its first
-        data = M.loader(samples=40 - 8 * rank, shuffle=False)
     _fit(M.Net(), world_size, data=data, max_steps=-1, max_epochs=2)
 
 

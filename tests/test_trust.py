@@ -297,7 +297,6 @@ def test_slurms_requeue_signal_saves_one_step_of_every_stage_requeues_once_and_t
         "unseeded random",
         "per-rank iterable",
         "one-pass stream",
-        "loaders of unequal lengths",
         "unseeded text",
         "unseeded batch object",
     ],
