@@ -203,6 +203,10 @@ class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
             raise
 
 
+#: The ranks this process killed at its exit (``_end_children_at_exit``): the observer says nothing of them.
+_KILLED_AT_EXIT: set[int] = set()
+
+
 def _patient_observer(grace: float) -> None:
     """Make Lightning's child-process observer say which rank died, and wait ``grace`` seconds before it kills every
     rank (itself with SIGKILL).
@@ -223,6 +227,8 @@ def _patient_observer(grace: float) -> None:
             for rank, child in enumerate(children, start=1):
                 if child.poll() and rank not in died:
                     died[rank] = time.monotonic()
+                    if child.pid in _KILLED_AT_EXIT:
+                        continue
                     code = child.returncode
                     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                     sys.stderr.write(
@@ -258,6 +264,7 @@ def _end_children_at_exit(children: list[Any], grace: float) -> None:
                     f"{grace:.0f}s after the run failed (frozen or stopped: it cannot end itself)\n"
                 )
                 sys.stderr.flush()
+                _KILLED_AT_EXIT.add(child.pid)
                 child.kill()
                 child.wait()
 

@@ -659,8 +659,9 @@ class StuckOnRankOne(M.Net):
         return super().training_step(batch, batch_idx)
 
 
-def stuck(directory: str) -> None:
-    """A fit under Lightning's popen launcher whose rank 1 hangs in its step; each rank writes its pid first."""
+def stuck(directory: str, frozen: bool = False) -> None:
+    """A fit under Lightning's popen launcher whose rank 1 hangs in its step (``frozen``: stops itself); each rank
+    writes its pid first."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
@@ -672,7 +673,7 @@ def stuck(directory: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     with open(os.path.join(directory, f"pid{rank}"), "w") as file:
         file.write(str(os.getpid()))
-    trainer.fit(StuckOnRankOne(), M.loader())
+    trainer.fit(FrozenOnRankOne() if frozen else StuckOnRankOne(), M.loader())
 
 
 class FrozenOnRankOne(M.Net):
@@ -682,22 +683,6 @@ class FrozenOnRankOne(M.Net):
         if batch_idx == 2 and self.global_rank == 1:
             os.kill(os.getpid(), signal.SIGSTOP)
         return super().training_step(batch, batch_idx)
-
-
-def frozen(directory: str) -> None:
-    """A fit under Lightning's popen launcher whose rank 1 is frozen; each rank writes its pid first."""
-    from lightning_gpipe import GPipeStrategy
-
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        strategy=GPipeStrategy(chunks=2, failure_timeout=3.0, watchdog_grace=1.0),
-        devices=2,
-        **M.trainer_kwargs(max_steps=6),
-    )
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    with open(os.path.join(directory, f"pid{rank}"), "w") as file:
-        file.write(str(os.getpid()))
-    trainer.fit(FrozenOnRankOne(), M.loader())
 
 
 class AbortsOnRankOne(Callback):

@@ -94,6 +94,14 @@ def _under_the_default_launcher(tmp_path, call: str) -> tuple[subprocess.Complet
     return result, time.monotonic() - start
 
 
+def _failed_under_the_default_launcher(tmp_path, call: str) -> subprocess.CompletedProcess:
+    """:func:`_under_the_default_launcher`, which must end with exit code 1 within ``BOUND`` seconds."""
+    result, seconds = _under_the_default_launcher(tmp_path, call)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert seconds < BOUND
+    return result
+
+
 def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_with_the_error(tmp_path):
     # Lightning's popen launcher re-runs the script per rank and kills every rank once one dies
     call = f"failing_stage_with_on_exception_checkpoint(0, 2, {str(tmp_path / 'ckpt' / 'on-exception.ckpt')!r})"
@@ -110,9 +118,7 @@ def test_a_rank_hung_in_its_own_step_under_the_default_launcher_ends_with_its_st
     # Rank 1's check found the stages out of step and published it; rank 0 exited with the error, but rank 1, the
     # publisher, was left to end itself at its next pipeline call, which its sleeping step never made: it outlived the
     # job (a busy loop kept a core at 100%) until killed by hand, and `subprocess.run` waited on its inherited pipes
-    result, seconds = _under_the_default_launcher(tmp_path, f"stuck({str(tmp_path)!r})")
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert seconds < BOUND
+    result = _failed_under_the_default_launcher(tmp_path, f"stuck({str(tmp_path)!r})")
     assert "stage 1 has had no backbone call under way for 3s (or it has been busy that long" in result.stderr
     assert "rank 1: ending this process, 1s after a check found this rank's failure" in result.stderr
     assert "time.sleep(600)" in result.stderr  # the main thread's stack: where it hangs
@@ -125,9 +131,7 @@ def test_a_frozen_rank_under_the_default_launcher_is_killed_by_rank_zero_at_its_
 ):
     # rank 0 named the rank that stopped responding and exited, but the frozen rank (SIGSTOP) stayed stopped for good,
     # and `subprocess.run(capture_output=True)` waited on its inherited pipes: the job never ended for its caller
-    result, seconds = _under_the_default_launcher(tmp_path, f"frozen({str(tmp_path)!r})")
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert seconds < BOUND
+    result = _failed_under_the_default_launcher(tmp_path, f"stuck({str(tmp_path)!r}, frozen=True)")
     assert "PipelineError: stage 1 (rank 1) stopped responding" in result.stderr
     pid = int((tmp_path / "pid1").read_text())
     assert f"rank 0: killing the process {pid} this rank started, which has not ended 6s after" in result.stderr
@@ -137,11 +141,9 @@ def test_a_frozen_rank_under_the_default_launcher_is_killed_by_rank_zero_at_its_
 def test_a_rank_that_dies_in_native_code_prints_its_python_stack_and_the_job_ends(tmp_path):
     # a native abort (gloo's on a collective called on some ranks only) left no trace of where: the peers said only
     # that rank 1 was lost
-    result, seconds = _under_the_default_launcher(tmp_path, "aborted()")
     # and Lightning's launcher no longer kills rank 0 first (exit -9, "Child process with PID ... terminated with code
     # -6", no rank named): it says which rank died, and rank 0 ends with the error that names its stage
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert seconds < BOUND
+    result = _failed_under_the_default_launcher(tmp_path, "aborted()")
     assert re.search(r"\[lightning_gpipe\] rank 1 \(pid \d+\) ended with signal SIGABRT", result.stderr)
     assert "PipelineError: Lost the connection to stage 1 (rank 1)" in result.stderr, result.stderr[-3000:]
     assert "Fatal Python error: Aborted" in result.stderr

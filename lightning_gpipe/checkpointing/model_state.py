@@ -37,7 +37,8 @@ def gather_state_dict(pipe: GPipe) -> Optional[dict[str, Tensor]]:
     closures cannot be pickled)."""
     with pipe.stage_state():
         own = _cpu(pipe.state_dict())
-    parts = pipe.gather(own, to_all=False)
+    doing = "a gather of every stage's state for the whole model (a checkpoint's: `trainer.save_checkpoint`)"
+    parts = pipe.gather(own, to_all=False, doing=doing)
     if parts is None:
         return None
     return {k: v for part in parts for k, v in part.items()}

@@ -181,7 +181,8 @@ class FailureBoard:
             return
         self._published = True
         verb = "reported" if isinstance(error, PipelineError) else "failed"  # a PipelineError names its cause
-        name = "" if isinstance(error, PipelineError) else f"{type(error).__name__}: "
+        text = str(error)
+        name = "" if isinstance(error, PipelineError) else f"{type(error).__name__}" + (": " if text else "")
         notes = "".join(f" {note}" for note in getattr(error, "__notes__", []))  # where a stage's layer raised it
         message = f"{self.describe(self.rank)} (rank {self.rank}) {verb}: {name}{error}{notes}"
         writer = threading.Thread(target=self._set_failure, args=(message,), daemon=True)

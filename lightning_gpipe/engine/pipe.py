@@ -446,14 +446,14 @@ class GPipe(nn.Module):
             return obj
         return distributed.broadcast_object(obj, self.ranks[stage], self.group, self.watch("a broadcast"), self.device)
 
-    def gather(self, obj: Any, to_all: bool = True) -> Optional[list[Any]]:
+    def gather(
+        self, obj: Any, to_all: bool = True, doing: str = "a gather of every stage's state"
+    ) -> Optional[list[Any]]:
         """``obj`` from every stage of this pipeline, in stage order: on every stage if ``to_all``, else on the
-        first stage only (``None`` on the others); collective."""
+        first stage only (``None`` on the others); collective. ``doing`` names it in a deadlock's error."""
         if self.group is None:
             return [obj]
-        return distributed.gather_objects(
-            obj, self.group, self.watch("a gather of every stage's state"), dst=None if to_all else self.ranks[0]
-        )
+        return distributed.gather_objects(obj, self.group, self.watch(doing), dst=None if to_all else self.ranks[0])
 
     def watch(self, doing: str) -> distributed.Watch:
         """What a collective of the whole pipeline polls while it waits (see :mod:`lightning_gpipe.engine.distributed`).
