@@ -127,7 +127,7 @@ _tokens = itertools.count()
 class OwnerAwareGather:
     """:func:`replica_gather` for the metrics of one module, as long as the module runs under this package's strategy
     (or under none: the script's own ``compute()`` after ``fit``); torchmetrics' own gather once the module's trainer
-    runs another strategy.
+    runs another strategy over several processes, and no gather under one of one process.
 
     A later run of the same module in the same processes (``Trainer(strategy="ddp").validate(model)`` after the
     pipelined fit) must sync over every rank, as DDP does: with the last run's replica group, its metrics silently
@@ -145,6 +145,10 @@ class OwnerAwareGather:
         trainer = getattr(module, "_trainer", None) if module is not None else None
         strategy = getattr(trainer, "strategy", None) if trainer is not None else None
         if strategy is not None and not getattr(strategy, "routes_metric_sync", False):
+            if group is None and getattr(strategy, "world_size", 1) == 1:
+                # a one-process run (devices=1) in processes whose default group is still up: its own state, as the
+                # last run's replica group gave it; torchmetrics' gather would sum over every process of the job
+                return [result]
             return (_torchmetrics_gather or gather_all_tensors)(result, group=group)
         return replica_gather(result, group)
 

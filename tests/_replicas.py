@@ -83,17 +83,20 @@ class CountsValidated(M.Net):
         self.log("seen", self.seen, on_epoch=True)
 
 
-def validated_by_ddp_after_a_pipelined_fit() -> float:
-    """A module fitted by the pipeline (2 replicas of 2 stages), then validated by DDP over the same 4 processes: the
-    samples its metric counted over every rank (40, as a module DDP alone validated counts)."""
+def validated_by_ddp_after_a_pipelined_fit() -> tuple[float, float]:
+    """A module fitted by the pipeline (2 replicas of 2 stages), then validated by DDP over the same 4 processes, then
+    by one device in each: the samples its metric counted in each (40 and 40, as DDP alone and one device count)."""
     from lightning_gpipe import GPipeStrategy
 
     net = CountsValidated()
     L.Trainer(strategy=GPipeStrategy(pipe_size=2, chunks=2), devices=4, **M.trainer_kwargs(max_steps=1)).fit(
         net, M.loader(batch_size=BATCH)
     )
+    loader = M.loader(batch_size=BATCH, shuffle=False)
     trainer = L.Trainer(strategy=DDPStrategy(), devices=4, **M.trainer_kwargs(limit_val_batches=None))
-    return float(trainer.validate(net, M.loader(batch_size=BATCH, shuffle=False), verbose=False)[0]["seen"])
+    over_ddp = float(trainer.validate(net, loader, verbose=False)[0]["seen"])
+    trainer = L.Trainer(devices=1, **M.trainer_kwargs(limit_val_batches=None))
+    return over_ddp, float(trainer.validate(net, loader, verbose=False)[0]["seen"])
 
 
 def replicas(rank: int, world_size: int, directory: str) -> dict[str, Any]:
