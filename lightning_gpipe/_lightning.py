@@ -221,6 +221,8 @@ def _patient_observer(grace: float) -> None:
         run, children = getattr(thread, "_run", None), getattr(thread, "_child_processes", None)
         if thread.name != "child-process-observer" or run is None or children is None:
             continue
+        if getattr(run, "patient", False):  # made patient by an earlier fit of this script
+            continue
         died: dict[int, float] = {}
 
         def patient(run: Callable[[], bool] = run, children: list[Any] = children, died: dict = died) -> bool:
@@ -240,6 +242,7 @@ def _patient_observer(grace: float) -> None:
                 return False
             return run()
 
+        patient.patient = True  # type: ignore[attr-defined]
         thread._run = patient  # type: ignore[attr-defined]
 
 
