@@ -184,9 +184,9 @@ class MainProcessLauncher(_MultiProcessingLauncher):
 class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
     on_failure: OnFailure
     #: seconds from a failure on rank 0 to its exit after which the ranks it started that still run are killed
-    children_grace: float = 15.0
+    children_grace: float
     #: seconds from a rank's death to Lightning's killing of every rank (see _patient_observer)
-    observer_grace: float = 45.0
+    observer_grace: float
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         def observed(*args: Any, **kwargs: Any) -> Any:  # runs once Lightning started the other ranks and its observer

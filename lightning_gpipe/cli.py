@@ -72,11 +72,15 @@ def _same_class(value: Any, path: str) -> bool:
 class GPipeCLI(LightningCLI):
     """LightningCLI whose ``fit`` also tests, and whose data sets the model's classes and input channels."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._defaulted_parsers: list[LightningArgumentParser] = []  # one per subcommand (add_arguments_to_parser)
+        super().__init__(*args, **kwargs)  # builds the parsers, parses, and runs the subcommand
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The image classification task unless a config names other classes; a config's `model:` without a
         # class_path gives the default class its arguments (jsonargparse merges them into the default).
         parser.set_defaults({key: {"class_path": path} for key, path in DEFAULT_CLASSES.items()})
-        self.__dict__.setdefault("_defaulted_parsers", []).append(parser)  # one per subcommand
+        self._defaulted_parsers.append(parser)
         # A link whose source attribute the data lacks is skipped (jsonargparse ignores it for a subclass source).
         parser.link_arguments(
             "data.num_classes",
@@ -107,7 +111,7 @@ class GPipeCLI(LightningCLI):
         own = [key for key, path in DEFAULT_CLASSES.items() if not _same_class(config.get(key), path)]
         if not own:
             return
-        for defaulted in self.__dict__.get("_defaulted_parsers", []):
+        for defaulted in self._defaulted_parsers:
             defaulted.set_defaults({key: None for key in own})
         super().parse_arguments(parser, args)
 

@@ -1500,39 +1500,42 @@ class GPipeStrategy(ParallelStrategy):
         model's keys, which saved or loaded would silently lose the other stages' layers (as Lightning's FSDP gives
         the full state on rank 0 alone). Lightning's checkpoint dump takes :meth:`_checkpoint_state_dict` instead.
         """
-        if not self._dump_routed:
-            return self._checkpoint_state_dict()
-        if self.pipe is None or self.pipe.group is None:
+        if not self._dump_routed or self.pipe is None or self.pipe.group is None:
             return self._checkpoint_state_dict()  # the whole model (or, after a sharded run, the refusal)
         if self.failed:
             raise RuntimeError(
                 "lightning_module_state_dict() was called after a stage of the pipeline failed: the stages cannot "
                 "be gathered into the whole model any more. Use the last checkpoint saved before the failure."
             )
-        module = self.lightning_module
-        assert module is not None
-        full_backbone = model_state.gather_state_dict(self.pipe)
-        if full_backbone is None:
-            return {}
-        with self._stage_state():
-            local = module.state_dict()
-        return model_state.merge_backbone(local, full_backbone, self.backbone + ".", module)
+        whole = self._whole_state()
+        return whole if whole is not None else {}
 
     def _checkpoint_state_dict(self) -> dict[str, Any]:
         """The module's state for Lightning's checkpoint dump: the whole model on the first stage; collective.
 
         With ``state_dict_type="sharded"`` every stage keeps its own part; the checkpoint writer stores it.
         """
+        if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded" or self.failed:
+            return self._stage_module_state()  # after a failure nothing is gathered: save_checkpoint writes nothing
+        whole = self._whole_state()
+        return whole if whole is not None else self._stage_module_state()
+
+    def _stage_module_state(self) -> dict[str, Any]:
+        """The module's state_dict with this stage's part of the backbone (the whole module where it is whole)."""
         module = self.lightning_module
         assert module is not None
         with self._stage_state():
-            local = module.state_dict()
-        if self.pipe is None or self.pipe.group is None or self.state_dict_type == "sharded" or self.failed:
-            return local  # after a failure nothing is gathered: save_checkpoint writes nothing then
+            return module.state_dict()
+
+    def _whole_state(self) -> Optional[dict[str, Any]]:
+        """The whole model's state_dict under its original keys on the pipeline's first stage, ``None`` on the other
+        stages; collective over the pipeline."""
+        assert self.pipe is not None
         full_backbone = model_state.gather_state_dict(self.pipe)
         if full_backbone is None:
-            return local
-        return model_state.merge_backbone(local, full_backbone, self.backbone + ".", module)
+            return None
+        local = self._stage_module_state()
+        return model_state.merge_backbone(local, full_backbone, self.backbone + ".", self.lightning_module)
 
     def _optimizer_layout(self, optimizer: Any) -> optim_state.Layout:
         module = self.lightning_module

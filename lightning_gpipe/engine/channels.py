@@ -58,12 +58,7 @@ class Link:
     """The sending end of one directed pair: non-blocking sends that are waited for at :meth:`flush`."""
 
     def __init__(
-        self,
-        group: dist.ProcessGroup,
-        dst: int,
-        name: str,
-        inline_limit: int = 0,
-        board: Optional[FailureBoard] = None,
+        self, group: dist.ProcessGroup, dst: int, name: str, board: FailureBoard, inline_limit: int = 0
     ) -> None:
         self.group, self.dst, self.name, self.inline_limit = group, dst, name, inline_limit
         self.board = board  # where a broken send looks for the peer's own account of its failure
@@ -134,12 +129,10 @@ class Link:
         """The error for a send the transport broke: the failure a peer published, if one comes within a second (a
         killed peer publishes nothing; the store's host, rank 0, takes the store with it, which the board names),
         else the stage, named by the heartbeats that stopped."""
-        account = self.board.wait_for_failure(1.0) if self.board is not None else None
+        account = self.board.wait_for_failure(1.0)
         if account is not None:
             return PipelineError(account)
-        if self.board is not None:
-            return self.board.lost(f"a send to {self.name}", error)
-        return PipelineError(f"Lost the connection to {self.name}: {error}")
+        return self.board.lost(f"a send to {self.name}", error)
 
     def flush(self) -> None:
         """Wait until everything sent so far has been received."""
@@ -293,7 +286,7 @@ class Channels:
             if group is None:  # this rank is not one of the pair
                 continue
             if rank == src:
-                self.links[dst] = Link(group, dst, f"stage {layout.stage_of(dst)} (rank {dst})", inline, board)
+                self.links[dst] = Link(group, dst, f"stage {layout.stage_of(dst)} (rank {dst})", board, inline)
             if rank == dst:
                 stage = layout.stage_of(src)
                 self.inboxes[src] = Inbox(group, src, device, f"stage {stage} (rank {src})", board, timeout, inline)
