@@ -399,12 +399,25 @@ class FirstOnRank(torch.utils.data.Sampler):
         return self.count
 
 
-def loaders_of_other_lengths(rank: int, world_size: int) -> None:
+class OtherLengthsFromEpochOne(M.Net):
+    """Its loader is made anew every epoch: 40 samples on every rank in epoch 0, then ``FirstOnRank``'s."""
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = FirstOnRank(self.global_rank) if self.trainer.current_epoch > 0 else range(40)
+        return DataLoader(M.dataset(40), batch_size=8, sampler=sampler)
+
+
+def loaders_of_other_lengths(rank: int, world_size: int, reloaded: bool = False) -> None:
+    """Rank 1's loader holds fewer batches than rank 0's: from the start, or, ``reloaded``, from epoch 1 on."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **M.trainer_kwargs(max_steps=-1))
-    trainer.fit(M.Net(), DataLoader(M.dataset(40), batch_size=8, sampler=FirstOnRank(rank)))
+    kwargs = M.trainer_kwargs(max_steps=-1, max_epochs=3, reload_dataloaders_every_n_epochs=1 if reloaded else 0)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **kwargs)
+    if reloaded:
+        trainer.fit(OtherLengthsFromEpochOne())
+    else:
+        trainer.fit(M.Net(), DataLoader(M.dataset(40), batch_size=8, sampler=FirstOnRank(rank)))
 
 
 class LightningsGradNorm(M.Net):
