@@ -957,7 +957,7 @@ class GPipeStrategy(ParallelStrategy):
         self._refuse_different_losses(digests[:, 3], f"the training step before batch {self._batch_idx}")
         if bool((digests[:, 5] != digests[0, 5]).any()):
             counts = [float("inf") if c < 0 else c for c in digests[:, 5].tolist()]
-            epoch = trainer.current_epoch if trainer.reload_dataloaders_every_n_epochs else None
+            epoch = trainer.current_epoch if getattr(trainer, "reload_dataloaders_every_n_epochs", 0) else None
             raise ValueError(_uneven_training(counts, pipe.ranks, self.layout.stage_of, epoch))
         if self._split_weights.watching:  # the first training step of a fit: a hook's random weights are refused
             apart = self._split_weights.rng_apart or bool((digests[:, 0] != digests[0, 0]).any())

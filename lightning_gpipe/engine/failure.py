@@ -306,14 +306,26 @@ class FailureBoard:
         """On the store's host, after a failure: give the others up to ``seconds`` to read it before exiting.
 
         Each other rank acknowledges once, when its poller reads the failure or when it publishes one of its own (a
-        rank that failed too knows to end): where every rank failed alike, nobody waits."""
-        if self._store is None or self.rank != 0 or not self._threads:
+        rank that failed too knows to end): where every rank failed alike, nobody waits. A rank whose heartbeat has
+        not moved for twice :data:`SILENT` (killed, frozen: its poller beats four times a second) will never read it,
+        and is not waited for: rank 0 lingered the whole ``seconds`` for a killed rank's acknowledgement before."""
+        store = self._store
+        if store is None or self.rank != 0 or not self._threads:
             return
         deadline = time.monotonic() + seconds
-        readers = self.world_size - 1
+        start = time.monotonic()
+        seen = {r: self._beats.get(r, (-1, start)) for r in range(1, self.world_size)}  # the poller's last reading
         while time.monotonic() < deadline:
             try:
-                if int(self._store.add(_ACKS, 0)) >= readers:
+                now = time.monotonic()
+                for rank in list(seen):
+                    if store.check([f"{_ACKS}/{rank}"]) or store.check([f"done/{rank}"]):
+                        del seen[rank]
+                        continue
+                    beats = int(store.add(f"beat/{rank}", 0))
+                    if beats != seen[rank][0]:
+                        seen[rank] = (beats, now)
+                if all(now - since > 2 * SILENT for _, since in seen.values()):
                     return
             except Exception:
                 return
@@ -339,7 +351,7 @@ class FailureBoard:
         """Tell the store's host (rank 0, see :meth:`linger`) that this rank knows of a failure; once."""
         with self._acknowledging:
             if self.rank != 0 and not self._acknowledged:
-                store.add(_ACKS, 1)
+                store.set(f"{_ACKS}/{self.rank}", "1")
                 self._acknowledged = True
 
     def _poll(self, poll: float, failure_timeout: float) -> None:
