@@ -1414,21 +1414,31 @@ class GPipeStrategy(ParallelStrategy):
         broadcast_buffers_from_first_replica(module.buffers(), pipe.replica_group)
 
     def _refuse_uneven_evaluation(self, what: str) -> None:
-        """With replicas: refuse, on every rank, an evaluation whose replicas would run different numbers of batches.
+        """Refuse, on every rank, an evaluation whose ranks would run different numbers of batches.
 
         Every rank agrees with all the others at the end of each evaluation batch (signals, a stop), so a replica that
         ran out first would leave the others waiting, and the job would end on a deadlock or a lost connection a minute
         later. DDP finishes such a loop, each rank on its own shard; Lightning's predict sampler does not pad (33
-        samples in batches of 16 over 2 replicas: 2 batches and 1), nor does a sampler of the user's.
+        samples in batches of 16 over 2 replicas: 2 batches and 1), nor does a sampler of the user's. The stages of one
+        pipeline must run the same batches: loaders of other lengths on them (a sampler of the user's built per rank)
+        passed the batch check while both lasted and then ended on "fell out of step", naming no cause.
         """
         trainer = self._trainer()
-        if trainer is None or self.pipe is None or self.layout.num_replicas == 1:
+        if trainer is None or self.pipe is None or self.world_size == 1:
             return
         counts = evaluation_batches(trainer)[:8]  # a fixed size for the gather: the loaders' count and 8 lengths
         mine = torch.tensor([len(counts), *counts, *[-1.0] * (8 - len(counts))], device=self.root_device)
         rows = distributed.all_gather(mine, watch=self._watch(f"the {what} batch counts of every rank")).tolist()
         if all(row == rows[0] for row in rows) or any(math.isinf(c) for row in rows for c in row):
             return
+        pipe_size = self.layout.pipe_size
+        pipelines = [rows[start : start + pipe_size] for start in range(0, len(rows), pipe_size)]
+        if any(row != pipeline[0] for pipeline in pipelines for row in pipeline):
+            shown = ", ".join(
+                f"rank {rank} (stage {self.layout.stage_of(rank)}): {[int(c) for c in row[1 : 1 + int(row[0])]]}"
+                for rank, row in enumerate(rows)
+            )
+            raise ValueError(_uneven_batches(f"{what} batches per loader", shown))
         per_replica = {self.layout.replica_of(rank): row[1 : 1 + int(row[0])] for rank, row in enumerate(rows)}
         shown = ", ".join(f"replica {r}: {[int(c) for c in n]}" for r, n in sorted(per_replica.items()))
         raise ValueError(
@@ -1899,8 +1909,13 @@ def _uneven_training(
         f"rank {r} (stage {stage_of(r)}): {'unknown' if math.isinf(c) else int(c)}" for r, c in zip(ranks, counts)
     )
     when = "an epoch" if epoch is None else f"in epoch {epoch}, whose loaders were made anew"
+    return _uneven_batches(f"training batches {when}", shown)
+
+
+def _uneven_batches(what: str, shown: str) -> str:
+    """The error for ranks of a pipeline that would run different numbers of ``what`` (``shown``: each rank's)."""
     return (
-        f"The ranks would run different numbers of training batches {when} ({shown}). The stages of a pipeline "
+        f"The ranks would run different numbers of {what} ({shown}). The stages of a pipeline "
         "must get the same batches, and every rank agrees with the others at the end of each batch, so the rank "
         "that ran out first would leave the others waiting. Usual causes: a sampler, DataLoader or Dataset of your "
         "own built differently per rank (its length from the global rank, or from data drawn unseeded). Shard by "

@@ -407,17 +407,26 @@ class OtherLengthsFromEpochOne(M.Net):
         return DataLoader(M.dataset(40), batch_size=8, sampler=sampler)
 
 
-def loaders_of_other_lengths(rank: int, world_size: int, reloaded: bool = False) -> None:
-    """Rank 1's loader holds fewer batches than rank 0's: from the start, or, ``reloaded``, from epoch 1 on."""
+def loaders_of_other_lengths(rank: int, world_size: int, which: str) -> None:
+    """Rank 1's loader holds fewer batches than rank 0's: ``which`` is ``"training"`` (from the start), ``"reloaded"``
+    (training, from epoch 1 on), ``"validation"`` or ``"predict"``."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    kwargs = M.trainer_kwargs(max_steps=-1, max_epochs=3, reload_dataloaders_every_n_epochs=1 if reloaded else 0)
+    reload = 1 if which == "reloaded" else 0
+    kwargs = M.trainer_kwargs(
+        max_steps=-1, max_epochs=3, reload_dataloaders_every_n_epochs=reload, limit_val_batches=1.0
+    )
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **kwargs)
-    if reloaded:
+    shorter = DataLoader(M.dataset(40), batch_size=8, sampler=FirstOnRank(rank))
+    if which == "reloaded":
         trainer.fit(OtherLengthsFromEpochOne())
+    elif which == "training":
+        trainer.fit(M.Net(), shorter)
+    elif which == "validation":
+        trainer.validate(M.Net(), shorter)
     else:
-        trainer.fit(M.Net(), DataLoader(M.dataset(40), batch_size=8, sampler=FirstOnRank(rank)))
+        trainer.predict(M.Net(), shorter)
 
 
 class LightningsGradNorm(M.Net):

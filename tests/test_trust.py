@@ -418,19 +418,30 @@ def test_a_stream_longer_on_one_rank_ends_every_rank_with_the_deadlock_naming_th
         assert "training data ran out at different batches" in error
 
 
-@pytest.mark.parametrize("reloaded", [False, True], ids=["from-the-start", "made-anew-in-epoch-1"])
-def test_loaders_of_other_lengths_on_the_ranks_are_refused_before_their_epoch_naming_each_ranks_count(reloaded):
+@pytest.mark.parametrize(
+    "which, what, counts",
+    [
+        ("training", "training batches an epoch", "5, rank 1 (stage 1): 4"),
+        ("reloaded", "training batches in epoch 1, whose loaders were made anew", "5, rank 1 (stage 1): 4"),
+        ("validation", "validation batches per loader", "[5], rank 1 (stage 1): [4]"),
+        ("predict", "predict batches per loader", "[5], rank 1 (stage 1): [4]"),
+    ],
+    ids=["training", "training-made-anew-in-epoch-1", "validation", "predict"],
+)
+def test_loaders_of_other_lengths_on_the_stages_are_refused_before_their_loop_naming_each_ranks_count(
+    which, what, counts
+):
     # their batches were equal while both lasted, so the batch check had nothing to find: the ranks went on to a
-    # deadlock at the shorter one's epoch end, named after failure_timeout + 5 s (47 s in the outside tester's run).
-    # Loaders made anew each epoch (`reload_dataloaders_every_n_epochs`) are compared again before each step.
-    outcome = run_processes(W.loaders_of_other_lengths, 2, reloaded, timeout=120)
+    # deadlock at the shorter one's epoch end, named after failure_timeout + 5 s (47 s in the outside tester's run;
+    # 35 s for loaders made anew in epoch 1, `reload_dataloaders_every_n_epochs`, which are compared before each
+    # step), or, in an evaluation, to "fell out of step", which named no cause
+    outcome = run_processes(W.loaders_of_other_lengths, 2, which, timeout=120)
     _assert_all_ended_with_errors(outcome)
-    when = "in epoch 1, whose loaders were made anew" if reloaded else "an epoch"
     for error in outcome.errors:
-        assert error.startswith(f"ValueError: The ranks would run different numbers of training batches {when} ("), (
+        assert error.startswith(f"ValueError: The ranks would run different numbers of {what} (rank 0 (stage 0): "), (
             error
         )
-        assert "rank 0 (stage 0): 5, rank 1 (stage 1): 4" in error and "distributed_sampler_kwargs" in error
+        assert counts in error and "distributed_sampler_kwargs" in error
     assert outcome.seconds < 30
 
 
