@@ -236,6 +236,12 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
     sample, _ = backbone_sample(module, backbone, name, 1, (batch, "training_step", "train dataloader"))
     batch_size = microbatch.batch_size(sample)
     grid = options.chunks or chunk_grid(batch_size)
+    above = sorted(m for m in grid if m > batch_size)
+    if above:  # the engine cuts a batch into at most one micro-batch per sample
+        print(
+            f"--chunks {' '.join(map(str, above))}: more than the batch of {batch_size} samples, "
+            f"planned as {batch_size}"
+        )
     model = profile_for_plan(backbone, sample, micro_batch_sizes(batch_size, grid), device, repeats=options.repeats)
     link = LinkModel(bandwidth=options.bandwidth or float("inf"), latency=options.latency)
     report: dict[str, Any] = {"config": options.config, "batch_size": batch_size, "memory": options.memory}
@@ -248,6 +254,11 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
         result = plan(model, stages, batch_size, link, max_memory=options.memory, chunks=grid, search=True)
         choice = result.choice if result.fitting else None
         print(f"\nK={stages} (a batch of {batch_size}):\n{plan_table(result, options.rows)}", flush=True)
+        if choice is None:
+            try:
+                _ = result.choice
+            except ValueError as error:  # what the strategy would refuse with, under the same cap
+                print(f"K={stages}: nothing fits. {str(error).replace('max_memory=', '--memory ')}", flush=True)
         report["plans"].append(
             {
                 "stages": stages,
@@ -299,7 +310,9 @@ def _row(candidate: Any) -> dict[str, Any]:
 def main() -> None:
     """The ``lightning-gpipe`` console script: ``plan`` here, every other subcommand LightningCLI's."""
     if sys.argv[1:2] == ["plan"]:
-        plan_command(sys.argv[2:])
+        report = plan_command(sys.argv[2:])
+        if report["plans"] and all(p["choice"] is None for p in report["plans"]):
+            sys.exit(1)  # no K planned has a setting that fits --memory (each said so)
         return
     if sys.argv[1:2] in (["-h"], ["--help"]):  # LightningCLI's help lists its own subcommands only
         print(

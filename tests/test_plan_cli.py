@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import pytest
 
-from lightning_gpipe.cli import parse_bytes, plan_command
+from lightning_gpipe.cli import main, parse_bytes, plan_command
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "amoebanet_digits.yaml")
 
@@ -34,6 +35,19 @@ def test_plan_prints_and_writes_every_k_marks_the_fastest_that_fits_and_skips_a_
             "never",
         }
         assert len(p["choice"]["stages"]) == p["stages"]
+
+
+def test_plan_says_when_nothing_fits_the_memory_exits_1_and_names_chunks_above_the_batch(monkeypatch, capsys):
+    # every row said "fits: no", with no line saying so and exit code 0; --chunks above the batch was dropped silently
+    args = ["--config", CONFIG, "--devices", "1", "2", "--chunks", "1", "128", "--repeats", "1", "--memory", "1KiB"]
+    monkeypatch.setattr(sys, "argv", ["lightning-gpipe", "plan", *args])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 1
+    printed = capsys.readouterr().out
+    assert "--chunks 128: more than the batch of 64 samples, planned as 64" in printed
+    said = "nothing fits. No (chunks, checkpoint, balance) is predicted to fit in --memory 1.0 KiB per device"
+    assert printed.count(said) == 2, printed[-2000:]
 
 
 def test_sizes_are_read_with_units_and_a_bad_one_is_named():

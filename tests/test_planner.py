@@ -96,6 +96,13 @@ def test_unequal_stages_wait_for_the_slow_one():
     assert [s.utilization for s in step.stages] == pytest.approx([6 / 21, 18 / 21])
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_the_bubble_leaves_out_the_head_and_the_update_as_the_monitor_does(stages):
+    # the monitor's window is the first stage's fill and drain; over the whole step the bubble read 0.21 at K=1
+    step = simulate(equal(stages, 4, head=0.5, update=[0.25] * stages), "never")
+    assert step.bubble == pytest.approx(bubble_fraction(4, stages), abs=1e-12)
+
+
 def test_head_and_update_add_to_every_stage_once():
     step = simulate(equal(2, 2, head=0.5, update=[0.25, 0.25]), "never")
     assert step.step == pytest.approx(3 * (F + B) + 0.5 + 0.25)
@@ -261,6 +268,48 @@ def test_the_default_balance_moves_from_the_split_by_time_only_for_a_replayed_ga
     even = profile(4, [1.0] * 6, [2.0] * 6, [1] * 6, [1] * 6)  # where the split by time is the fastest replay
     assert searched_split(even, 3, 8, "except_last") == ([2, 2, 2], None)
     assert searched_split(frozen, 1, 8, "never") == ([6], None)
+
+
+def two_large_layers_in_the_middle() -> CostModel:
+    # eight layers of equal time; layers 5 and 6 hold 100 times the others' state: the split by time, [4, 4], and
+    # its neighbours put both on the second stage; only [6, 2] puts them apart
+    n = 8
+    state = [1000] * n
+    state[5] = state[6] = 100_000
+    costs = LayerCosts(
+        [1] * n,
+        [3.0] * n,
+        state,
+        [10] * n,
+        forward=(1.0,) * n,
+        backward=(2.0,) * n,
+        output_bytes=(10,) * n,
+        input_counted=(10,) + (0,) * (n - 1),
+        output_counted=(0,) * n,
+        batch=1,
+    )
+    return CostModel([costs])
+
+
+def test_under_a_memory_cap_the_search_finds_a_split_that_fits_where_the_split_by_time_does_not():
+    # an outside tester's cap: nothing "fits" with balance="auto", while an explicit split that the planner's own
+    # table predicted to fit trained; the search had tried the split by time and its faster neighbours only
+    model = two_large_layers_in_the_middle()
+    assert by_time(model, 2, 1) == [4, 4]
+    peaks = {b: simulate(model.step_costs(b, 4, 4), "never").peak_memory for b in _every_split(8, 2)}
+    cap = min(peaks.values())
+    assert [b for b, peak in peaks.items() if peak <= cap] == [(6, 2)]
+    never = lambda m: ["never"]  # noqa: E731
+    assert not plan(model, 2, 4, max_memory=cap, chunks=[4], checkpoints=never, search=False).fitting
+    assert plan(model, 2, 4, max_memory=cap, chunks=[4], checkpoints=never, search=True).choice.balance == (6, 2)
+
+
+def test_a_searched_split_has_a_runner_up_split_when_only_the_split_is_automatic():
+    # balance="auto" with chunks and checkpoint fixed logged the choice alone: one split, one candidate
+    model = planning_model()
+    found = plan(model, 2, 16, chunks=[4], checkpoints=lambda m: ["except_last"], search=True)
+    assert found.runner_up is not None and found.runner_up.balance != found.choice.balance
+    assert "runner-up" in plan_table(found)
 
 
 def test_a_cap_that_nothing_fits_is_refused_with_the_smallest_peak():

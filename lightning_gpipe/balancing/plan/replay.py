@@ -116,21 +116,26 @@ class StagePrediction:
 
 @dataclass(frozen=True)
 class Prediction:
-    """A replayed step: its seconds, its bubble (the stages' idle share of the step), each stage, the passes.
+    """A replayed step: its seconds, its bubble, each stage, the passes.
 
-    The bubble is the one :class:`~lightning_gpipe.PipelineMonitor` measures: one minus the stages'
-    summed busy time over ``K`` steps.
+    The bubble is the one :class:`~lightning_gpipe.PipelineMonitor` measures: one minus the stages' summed busy
+    time over ``K`` windows, the window being the first stage's fill (up to the output share) and drain. It leaves
+    out the head and the optimizer step, which no stage's passes could fill: a one-stage step has no bubble. (One
+    over the whole step instead read 0.21 for the main job at K=1, where the monitor measured 0.01.)
     """
 
     step: float
     stages: tuple[StagePrediction, ...]
     timeline: tuple[Span, ...]
+    #: The first stage's fill and drain, in seconds (the monitor's window); 0 reads as the whole step.
+    window: float = 0.0
 
     @property
     def bubble(self) -> float:
-        if self.step <= 0:
+        window = self.window if self.window > 0 else self.step
+        if window <= 0:
             return 0.0
-        return max(1.0 - sum(s.busy for s in self.stages) / (len(self.stages) * self.step), 0.0)
+        return max(1.0 - sum(s.busy for s in self.stages) / (len(self.stages) * window), 0.0)
 
     @property
     def peak_memory(self) -> int:
@@ -201,7 +206,7 @@ def simulate(costs: StepCosts, checkpoint: str, link: LinkModel = LinkModel()) -
     ready = [max(fill_end[s], shared[s]) for s in range(last)] + [max([fill_end[last], *shared])]
     for s in range(stages):
         memory[s].add(costs.output * (2 if s == last else 1))  # the last stage joins its outputs into one
-    ends = [0.0] * stages
+    ends, drained = [0.0] * stages, [0.0] * stages
     gradient = [0.0] * count  # when the current stage's output gradient for micro-batch i arrives
     for s in reversed(range(stages)):  # the drain: stage s needs only stage s + 1
         now = ready[s] + costs.head
@@ -220,7 +225,8 @@ def simulate(costs: StepCosts, checkpoint: str, link: LinkModel = LinkModel()) -
                     sent[i] = links.send(s, s - 1, now, costs.micro[s - 1][i].output)
                     delivered = max(delivered, sent[i])
             spans.append(Span(s, task.kind, i, start, now))
-        ends[s] = max(now, delivered) + (costs.update[s] if costs.update else 0.0)
+        drained[s] = max(now, delivered)
+        ends[s] = drained[s] + (costs.update[s] if costs.update else 0.0)
         memory[s].during(costs.update_working[s] if costs.update_working else 0)
         gradient = sent
     step = max(ends)
@@ -231,7 +237,8 @@ def simulate(costs: StepCosts, checkpoint: str, link: LinkModel = LinkModel()) -
         per_stage.append(
             StagePrediction(total["forward"], total["recompute"], total["backward"], step - busy, memory[s].peak)
         )
-    return Prediction(step, tuple(per_stage), tuple(sorted(spans, key=lambda x: (x.start, x.stage))))
+    window = drained[0] - costs.head  # the first stage's fill, to the share, and its drain: the head between them
+    return Prediction(step, tuple(per_stage), tuple(sorted(spans, key=lambda x: (x.start, x.stage))), window)
 
 
 _KINDS = ("forward", "recompute", "backward")

@@ -6,9 +6,12 @@ checkpoint mode that differs for that many micro-batches (``always``, ``keep:N``
 ``except_last``, ``never``), and per M the splits asked for (by default the optimal split by time at
 that micro-batch size, from :func:`lightning_gpipe.engine.partition.balance`). With ``search=True`` (what
 ``balance="auto"`` asks) each M also tries the splits that :func:`faster_split` finds near those: a split
-by time evens out each stage's forward plus backward, while the replay weighs the phases apart. A
-candidate fits when its largest stage's predicted peak is under the memory cap; among those that fit the
-fastest step wins.
+by time evens out each stage's forward plus backward, while the replay weighs the phases apart. Under a
+memory cap the search also starts from the split by memory and descends through splits that fit only (the
+split by time may put the two largest layers on one stage, where no M or mode fits while another split
+does), and every split one move away from those found is replayed too, so that the table has a runner-up
+split. A candidate fits when its largest stage's predicted peak is under the memory cap; among those that
+fit the fastest step wins.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ Splitter = Callable[[CostModel, int, float], list[int]]
 def by_time(model: CostModel, stages: int, size: float) -> list[int]:
     """The optimal split by forward plus backward time at this micro-batch size."""
     return optimal_balance(model.time(size), stages)
+
+
+def by_memory(model: CostModel, stages: int, size: float) -> list[int]:
+    """The optimal split by each layer's state and saved activations at this micro-batch size."""
+    return optimal_balance([s + row.activation_bytes for s, row in zip(model.state_bytes, model.layers(size))], stages)
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,8 @@ class Plan:
             raise ValueError(
                 f"No (chunks, checkpoint, balance) is predicted to fit in max_memory={_bytes(self.max_memory or 0)} "
                 f"per device: the smallest predicted peak is {_bytes(smallest.prediction.peak_memory)} "
-                f"({smallest.describe()}). Use more devices, a smaller batch, or a larger max_memory."
+                f"({smallest.describe()}). Use more devices, a smaller batch, a larger max_memory, or, where the "
+                "split was not searched, balance='auto' or a split of your own."
             )
         return fitting[0]
 
@@ -138,9 +147,11 @@ def faster_split(
     start: Sequence[int],
     link: LinkModel = LinkModel(),
     head: float = 0.0,
+    max_memory: Optional[float] = None,
 ) -> tuple[tuple[int, ...], Prediction]:
     """The split near ``start`` whose replayed step is the shortest, and that replay: steepest descent, one layer
-    across one boundary per move, while the step gets shorter.
+    across one boundary per move, while the step gets shorter (and, with ``max_memory``, through splits whose
+    predicted peak fits only, from a ``start`` that fits).
 
     A split by time minimizes the largest stage's forward plus backward, which is the step only when every
     stage's passes have the same shape. A fill-drain step pays the slowest stage of each phase apart (stage
@@ -153,10 +164,13 @@ def faster_split(
     def replay(balance: tuple[int, ...]) -> Prediction:
         return simulate(model.step_costs(balance, batch_size, chunks, head=head), checkpoint, link)
 
+    def fits(prediction: Prediction) -> bool:
+        return max_memory is None or prediction.peak_memory <= max_memory
+
     best = tuple(start)
     predicted = replay(best)
     while True:
-        moves = [(replay(moved), moved) for moved in _moves(best)]
+        moves = [(p, moved) for p, moved in ((replay(moved), moved) for moved in _moves(best)) if fits(p)]
         if not moves:
             return best, predicted
         fastest, moved = min(moves, key=lambda move: move[0].step)
@@ -213,7 +227,9 @@ def plan(
     ``chunks`` restricts M (default :func:`chunk_grid`), ``checkpoints`` gives the modes to try for an M
     (default :func:`checkpoint_modes`), ``splits`` the ways to split (each called per micro-batch size).
     ``search`` adds, per M, the splits :func:`faster_split` finds from each of those for the modes that
-    recompute nothing and everything (the two ends of the drain's length); every mode is replayed on them.
+    recompute nothing and everything (the two ends of the drain's length), under ``max_memory`` also from the
+    split by memory through fitting splits, and the splits one move away from those; every mode is replayed on
+    them.
     """
     if stages > len(model):
         raise ValueError(f"Cannot plan {stages} stages for a backbone of {len(model)} layers.")
@@ -226,7 +242,17 @@ def plan(
         balances = {tuple(split(model, stages, size)) for split in splits}
         if search:
             ends = [mode for mode in ("never", "always") if mode in modes] or list(modes[:1])
-            balances |= {faster_split(model, batch_size, m, mode, b, link, head)[0] for b in balances for mode in ends}
+            found_splits = {
+                faster_split(model, batch_size, m, mode, b, link, head)[0] for b in balances for mode in ends
+            }
+            if max_memory is not None:
+                frugal = tuple(by_memory(model, stages, size))
+                found_splits |= {frugal}
+                found_splits |= {
+                    faster_split(model, batch_size, m, mode, frugal, link, head, max_memory)[0] for mode in ends
+                }
+            balances |= found_splits
+            balances |= {moved for b in found_splits for moved in _moves(b)}  # a runner-up split for the table
         for balance in sorted(balances):
             costs = model.step_costs(balance, batch_size, m, head=head)
             for mode in modes:
