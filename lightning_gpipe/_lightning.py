@@ -41,6 +41,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.exceptions import _TunerExitException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -478,6 +479,11 @@ def sample_loaders(trainer: "pl.Trainer") -> Optional[Any]:
     at Lightning's request as on one device. A hook called for its count is called once more than on one
     device, as Lightning's own ``estimated_stepping_batches`` and DeepSpeed's batch-size lookup call it. Loaders
     given to ``fit`` are the user's objects: no hook runs. ``None`` where the stage has no loaders.
+
+    A stage whose loop will ask for loaders that nobody defined (``trainer.predict`` on a datamodule without
+    ``predict_dataloader``) gets Lightning's own error here, on every rank, from the hook's default: the profile
+    would otherwise fail first, naming a missing sample and ``example_input_array``, and following that advice led
+    to Lightning's error only after it.
     """
     running = _running_loop(trainer)
     if running is None:
@@ -485,6 +491,8 @@ def sample_loaders(trainer: "pl.Trainer") -> Optional[Any]:
     loop = running[0]
     source = loop._data_source  # private: Lightning has no public accessor (its DeepSpeedStrategy reads it too)
     if not source.is_defined():
+        if _asks_for_loaders(trainer):
+            _request_dataloader(source)  # the LightningModule's default hook raises Lightning's error
         return None
     kept = _kept_loaders(loop)
     if kept is not None:  # Lightning will not ask: it keeps the loaders of an earlier fit
@@ -492,6 +500,20 @@ def sample_loaders(trainer: "pl.Trainer") -> Optional[Any]:
     device = trainer.strategy.root_device
     with isolated_rng(device, everything=True):
         return _request_dataloader(source)
+
+
+def _asks_for_loaders(trainer: "pl.Trainer") -> bool:
+    """Whether the running stage's loop will request its loaders (Lightning's ``setup_data`` skips a loop limited to
+    0 batches, and a validation or test without its step)."""
+    module = trainer.lightning_module
+    fn = trainer.state.fn
+    if fn == TrainerFn.PREDICTING:
+        return trainer.limit_predict_batches != 0
+    if fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
+        testing = fn == TrainerFn.TESTING
+        limit = trainer.limit_test_batches if testing else trainer.limit_val_batches
+        return limit != 0 and is_overridden("test_step" if testing else "validation_step", module)
+    return fn == TrainerFn.FITTING
 
 
 def evaluation_batches(trainer: "pl.Trainer") -> list[float]:

@@ -54,6 +54,10 @@ def test_config_parses_and_fits_then_tests_with_fast_dev_run_at_a_tiny_size(conf
     assert cli.trainer.state.finished and cli.trainer.state.fn == "test"  # fit, then the test after it
     assert cli.trainer.callback_metrics["test/acc"].numel() == 1
     assert cli.model.num_classes == cli.datamodule.num_classes  # linked from the data
+    # `predict` failed on every shipped config: the data module had no predict_dataloader (it predicts the test split)
+    with mock.patch.dict(os.environ), mock.patch.object(sys, "argv", ["lightning-gpipe"]):
+        cli = run(["predict", "--config", config, *TINY, f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.state.finished and cli.trainer.state.fn == "predict"
 
 
 class OwnData(L.LightningDataModule):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import _models as M
 import _plan_workers
+import lightning as L
 import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from test_fidelity import assert_same_training
+from torch.utils.data import DataLoader
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.launch import run_ok
@@ -41,3 +45,20 @@ def test_auto_values_and_max_memory_are_checked_at_construction():
         GPipeStrategy(chunks="auto", max_memory=0)
     with pytest.raises(ValueError, match="'keep:N'"):
         GPipeStrategy(checkpoint="automatic")
+
+
+class TrainOnly(L.LightningDataModule):
+    """A datamodule without ``predict_dataloader``."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(M.dataset(16), batch_size=8)
+
+
+@pytest.mark.parametrize("balance", ["auto", None], ids=["auto", "default balance"])
+def test_predict_on_a_datamodule_without_a_predict_loader_gets_lightnings_error_not_a_missing_sample(balance):
+    # an outside tester's `lightning-gpipe predict` on a shipped config: the profile failed first, with a NoSampleError
+    # that advised `example_input_array`, and following it led to Lightning's error only after it
+    strategy = GPipeStrategy(chunks="auto", balance=balance)
+    trainer = L.Trainer(strategy=strategy, devices=1, **M.trainer_kwargs())
+    with pytest.raises(MisconfigurationException, match="`predict_dataloader` must be implemented"):
+        trainer.predict(M.Net(), datamodule=TrainOnly())

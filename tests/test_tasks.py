@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import lightning as L
 import numpy as np
@@ -69,6 +70,20 @@ def test_cifar_reads_torchvisions_files_without_downloading(tmp_path, monkeypatc
     assert len(data.splits["train"]) + len(data.splits["val"]) == total and len(data.splits["test"]) == 6
     x, _ = first_batch(data)
     assert x.shape == (4, 3, 64, 64)
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["no folder", "files that fail torchvision's check"])
+def test_cifar_files_torchvision_refuses_are_named_with_their_folder_and_the_fixes(tmp_path, written):
+    # torchvision's "Dataset not found or corrupted. You can use download=True" named no path, and read the same for a
+    # missing folder and for hand-made files (its MD5 check passes the released files only)
+    if written:
+        _write_cifar(str(tmp_path), hundred=False)
+    data = ImageDataModule("cifar10", data_dir=str(tmp_path), download=False)
+    folder = os.path.join(str(tmp_path), "cifar-10-batches-py")
+    found = "its files did not pass torchvision's check" if written else "that folder does not exist"
+    with pytest.raises(ValueError, match=re.escape(f"reads torchvision's files in {folder} ({found}")) as refused:
+        data.setup("fit")
+    assert "download=True" in str(refused.value) and "MD5" in str(refused.value)
 
 
 def test_image_folder_reads_imagenet_layout_with_one_folder_per_class(tmp_path):

@@ -21,7 +21,8 @@ _NORMALIZE = {  # per-channel mean and std of the training images
 
 
 class SplitLoaders(L.LightningDataModule):
-    """The DataLoaders of a data module whose ``setup`` fills ``splits`` (``"train"``, ``"val"``, ``"test"``).
+    """The DataLoaders of a data module whose ``setup`` fills ``splits`` (``"train"``, ``"val"``, ``"test"``);
+    ``predict`` runs over the test split.
 
     A subclass sets ``splits``, ``batch_size`` and ``num_workers`` in ``__init__``.
     """
@@ -51,6 +52,10 @@ class SplitLoaders(L.LightningDataModule):
         return self._loader("val")
 
     def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        """The test split, in order: what ``trainer.predict`` and ``lightning-gpipe predict`` run over."""
         return self._loader("test")
 
 
@@ -137,8 +142,13 @@ class ImageDataModule(SplitLoaders):
         if self.dataset == "digits":
             train, val, test = random_split(_digits(self.image_size), [1257, 180, 360], generator=generator)
         elif self.dataset in ("cifar10", "cifar100"):
-            train, val = self._holdout(lambda t: self._cifar_class()(self.data_dir, train=True, transform=t), generator)
-            test = self._cifar_class()(self.data_dir, train=False, transform=self._transform(train=False))
+            try:
+                train, val = self._holdout(
+                    lambda t: self._cifar_class()(self.data_dir, train=True, transform=t), generator
+                )
+                test = self._cifar_class()(self.data_dir, train=False, transform=self._transform(train=False))
+            except RuntimeError as error:  # torchvision's "Dataset not found or corrupted" names no path
+                raise self._cifar_missing() from error
         elif self.dataset == "imagefolder":
             from torchvision.datasets import ImageFolder
 
@@ -168,6 +178,18 @@ class ImageDataModule(SplitLoaders):
         if self.classes is None:
             return dataset
         return _Relabeled(dataset, self.classes)
+
+    def _cifar_missing(self) -> ValueError:
+        """What torchvision's "Dataset not found or corrupted" means here: which folder, which files, the fixes."""
+        folder = os.path.join(self.data_dir, self._cifar_class().base_folder)
+        found = (
+            "that folder does not exist" if not os.path.isdir(folder) else "its files did not pass torchvision's check"
+        )
+        return ValueError(
+            f"dataset={self.dataset!r} reads torchvision's files in {folder} ({found}: torchvision compares each "
+            "file's MD5 with the released archive's, so only the original files pass). Set `data_dir` to the folder "
+            "that holds it, or download=True (it needs the network)."
+        )
 
     def _cifar_class(self) -> Any:
         from torchvision.datasets import CIFAR10, CIFAR100
