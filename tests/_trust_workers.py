@@ -886,14 +886,25 @@ class LogsInputs(M.Net):
         self.log("mean_input", batch[0].mean())
 
 
+class Stream(IterableDataset):
+    """``samples`` samples as a stream, whose length the loader cannot tell (the batch counts are not compared)."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(M.dataset(self.samples))
+
+
 def validations_of_different_lengths(rank: int, world_size: int) -> None:
-    """A fit whose validation loader holds 5 batches on rank 0 and 3 on the others; no backbone call in it."""
+    """A fit whose validation stream holds 5 batches on rank 0 and 3 on the others; no backbone call in it. (Loaders
+    of known lengths are refused at the validation's start, see ``loaders_of_other_lengths``.)"""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
     settings = M.trainer_kwargs(limit_val_batches=None, use_distributed_sampler=False)
     trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **settings)
-    trainer.fit(LogsInputs(), M.loader(), M.loader(samples=40 if rank == 0 else 24))
+    trainer.fit(LogsInputs(), M.loader(), DataLoader(Stream(40 if rank == 0 else 24), batch_size=8))
 
 
 def rank_zero_collective_between_runs(rank: int, world_size: int, then: str) -> None:
