@@ -434,6 +434,33 @@ def failing_layer(rank: int, world_size: int, in_backward: bool) -> str:
         dist.destroy_process_group()
 
 
+class _Hangs(nn.Module):
+    """A layer whose forward never returns (within the test): a lock or a read that blocks."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        import time
+
+        time.sleep(600)
+        return x
+
+
+def hung_layer(rank: int, world_size: int) -> str:
+    """A layer of stage 1 never returns; ``timeout=2``. What stage 0 raised (stage 1 never returns at all)."""
+    from lightning_gpipe import GPipe
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Hangs(), nn.Linear(4, 2)), [2, 2], timeout=2.0)
+    try:
+        pipe(torch.randn(8, 4)).sum().backward()
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        pipe.close()
+        dist.destroy_process_group()
+
+
 def killed_between_steps(rank: int, world_size: int) -> str:
     """Stage 1's process dies after a step, as a SIGKILL or the out-of-memory killer ends one (nothing published);
     stage 0 goes on to the next step 2 s later, whose first act is to send stage 1 activations. What it raised."""

@@ -715,6 +715,28 @@ class AbortsOnRankOne(Callback):
             os.abort()
 
 
+class FailsToPredict(M.Net):
+    def predict_step(self, batch, batch_idx):
+        raise ValueError(f"boom in predict on rank {self.global_rank}")
+
+
+def caught_failure(status: str) -> None:
+    """A fit, then a predict that fails on every rank, under Lightning's popen launcher; the script catches the
+    failure, says so, then ends normally (``status="normal"``) or with ``sys.exit(3)``."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=2, **M.trainer_kwargs(max_steps=1))
+    model = FailsToPredict()
+    trainer.fit(model, M.loader())
+    try:
+        trainer.predict(model, M.loader(shuffle=False))
+    except Exception as error:
+        print(f"caught on rank {trainer.global_rank}: {type(error).__name__}", flush=True)
+    if status == "exit 3":
+        sys.exit(3)
+
+
 def aborted() -> None:
     """A fit under Lightning's popen launcher whose rank 1 aborts."""
     from lightning_gpipe import GPipeStrategy

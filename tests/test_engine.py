@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from _engine_workers import (
     checkpointed_backbone,
     failing_layer,
+    hung_layer,
     killed_between_steps,
     plain_pipeline,
     reference,
@@ -180,6 +181,15 @@ def test_a_layer_error_in_a_plain_pipeline_reaches_the_other_stage_with_its_caus
     assert outcome.results[other].startswith(
         f"PipelineError: stage {failed} (rank {failed}) failed: ValueError: boom in {where}"
     ), outcome.results
+
+
+def test_a_layer_that_never_returns_fails_the_waiting_stage_after_timeout_and_its_watchdog_ends_its_rank():
+    # a computing stage keeps its heartbeat, so only `timeout` bounds it; the message named GPipeStrategy alone
+    outcome = run_processes(hung_layer, 2, timeout=120)
+    error = outcome.results[0]
+    assert error.startswith("PipelineError: No message from stage 1 (rank 1) for 2s; it is hung or gone"), error
+    assert "`failure_timeout` does not cover it" in error and "GPipe(timeout=...)" in error
+    assert outcome.exitcodes[1] == 1 and outcome.ended[1] is not None  # its watchdog ended it, not the harness
 
 
 def test_a_send_to_a_stage_that_was_killed_names_the_stage_instead_of_the_transports_address():

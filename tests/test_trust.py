@@ -112,6 +112,16 @@ def test_the_same_failure_under_the_default_subprocess_launcher_ends_the_job_wit
     assert not glob.glob(str(tmp_path / "ckpt" / "*"))
 
 
+@pytest.mark.parametrize("status, code", [("normal", 0), ("exit 3", 3)])
+def test_a_script_that_catches_a_failed_trainer_call_exits_with_its_own_status(tmp_path, status, code):
+    # every rank exited 1, with no message, after a failure the script had caught: each process ends without the
+    # interpreter's finalizers (receiving threads may wait on dead peers), and its status was fixed at 1
+    result, seconds = _under_the_default_launcher(tmp_path, f"caught_failure({status!r})")
+    assert result.returncode == code, result.stderr[-3000:]
+    assert "caught on rank 0: ValueError" in result.stdout and "caught on rank 1: ValueError" in result.stdout
+    assert seconds < BOUND
+
+
 def test_a_rank_hung_in_its_own_step_under_the_default_launcher_ends_with_its_stack_instead_of_outliving_the_job(
     tmp_path,
 ):

@@ -219,8 +219,11 @@ class Inbox:
                 self.board.raise_if_failed()
                 if time.monotonic() - start > self.timeout:
                     raise PipelineError(
-                        f"No message from {self.name} for {self.timeout:.0f}s; it is hung or gone. "
-                        "Raise GPipeStrategy(timeout=...) if a stage really needs that long."
+                        f"No message from {self.name} for {self.timeout:.0f}s; it is hung or gone (a layer that never "
+                        "returns: its own log shows where, once it ends), or computing that long: a stage that "
+                        "computes is never taken for a hung one, so `failure_timeout` does not cover it. Raise "
+                        "`timeout` (GPipeStrategy(timeout=...), or GPipe(timeout=...) without Lightning) if a stage "
+                        "really needs that long."
                     ) from None
                 continue
             if isinstance(item, Message):

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch.distributed as dist
 
@@ -66,17 +66,18 @@ def _default_store() -> Optional[dist.Store]:
         return None
 
 
-def exit_without_finalizers(board: Optional["FailureBoard"] = None, code: int = 1) -> None:
-    """At interpreter exit, end the process with ``code`` before the C++ finalizers run.
+def exit_without_finalizers(board: Optional["FailureBoard"] = None, code: Optional[int] = None) -> None:
+    """At interpreter exit, end the process before the C++ finalizers run, with ``code`` or, by default, the status
+    the interpreter would have given (:func:`_exit_status`).
 
     After a failed run, receiving threads may still be blocked on a dead or frozen peer; destroying
-    their process groups at exit then aborts (SIGABRT) or blocks. Called once a run has failed, when
-    the process is expected to end with the error anyway. The rank that hosts the store first waits
-    (briefly) until the others have read the failure from it.
+    their process groups at exit then aborts (SIGABRT) or blocks. Called once a run has failed. The rank that
+    hosts the store first waits (briefly) until the others have read the failure from it.
     """
     if getattr(exit_without_finalizers, "_registered", False):
         return
     exit_without_finalizers._registered = True  # type: ignore[attr-defined]
+    _record_exit_calls()
 
     def _exit() -> None:
         if board is not None and board not in _PUBLISHED:
@@ -84,9 +85,46 @@ def exit_without_finalizers(board: Optional["FailureBoard"] = None, code: int = 
         _linger()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        os._exit(_exit_status() if code is None else code)
 
     atexit.register(_exit)
+
+
+#: The statuses given to ``sys.exit`` since a failure (see :func:`_record_exit_calls`).
+_EXIT_CALLS: list[object] = []
+
+
+def _record_exit_calls() -> None:
+    """Note what ``sys.exit`` is called with from now on: at the exit handlers, nothing else tells a
+    ``sys.exit(3)`` (or torch's spawn wrapper's ``sys.exit(1)`` after a worker's exception) from a script
+    that ended normally."""
+    original = sys.exit
+
+    def exit(status: object = None) -> NoReturn:  # noqa: A001  # sys.exit's own name, for tracebacks
+        _EXIT_CALLS.append(status)
+        original(status)  # type: ignore[arg-type]
+        raise AssertionError("sys.exit returned")  # never: it raises SystemExit
+
+    sys.exit = exit
+
+
+def _exit_status() -> int:
+    """The exit status the interpreter would give this process: 1 after an exception that ended it (under way in a
+    ``finally`` that runs the exit handlers, as the tests' fork-server workers do, or one that ended the main
+    module), a ``SystemExit``'s code, or 0 where the script ended normally: a script that caught the failure of a
+    Trainer call and went on exits 0, as under DDP (it exited 1 with no message before)."""
+    pending = sys.exc_info()[1] or getattr(sys, "last_value", None)
+    if pending is None and _EXIT_CALLS:
+        pending = SystemExit(_EXIT_CALLS[-1])
+    if isinstance(pending, SystemExit):
+        status = pending.code
+        if status is None:
+            return 0
+        if isinstance(status, int):
+            return status
+        sys.stderr.write(f"{status}\n")  # as the interpreter prints a non-integer code
+        return 1
+    return 0 if pending is None else 1
 
 
 def destroy_process_groups_at_exit() -> None:
