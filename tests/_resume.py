@@ -167,12 +167,24 @@ def resume_everything(rank: int, world_size: int, directory: str, one_device_ckp
         if rank == 0:
             from lightning_gpipe.checkpointing.files import consolidate
 
-            saved = consolidate(path)["optimizer_states"][0]  # named; DCP drops an empty state dict
-            out[f"no state {optimizer} saved"] = sorted(saved.get("state", {}))
+            saved = consolidate(path)["optimizer_states"][0]  # numbered; DCP drops an empty state dict
+            names = [name for group in saved["param_groups"] for name in group["param_names"]]
+            out[f"no state {optimizer} saved"] = sorted(names[i] for i in saved["state"])
     out["from one device"] = run(world_size, "adam", shuffle=False, random=False, seed=1, ckpt_path=one_device_ckpt)
-    where = os.path.join(directory, "for-one-device")
-    run(world_size, "adam", shuffle=False, random=False, max_steps=5, save_every=5, directory=where)
-    out["for one device"] = os.path.join(where, "step=5.ckpt")
+    for kind in ("full", "sharded"):
+        where = os.path.join(directory, f"for-one-device-{kind}")
+        strategy = {"state_dict_type": kind}
+        run(
+            world_size,
+            "adam",
+            shuffle=False,
+            random=False,
+            max_steps=5,
+            save_every=5,
+            directory=where,
+            strategy=strategy,
+        )
+        out[f"for one device {kind}"] = os.path.join(where, "step=5.ckpt")
     return out
 
 

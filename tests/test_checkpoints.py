@@ -227,8 +227,14 @@ def test_one_device_checkpoint_starts_a_pipeline_run(runs):
     assert_same_weights(runs["pipeline"][0]["from one device"]["weights"], straight)
 
 
-def test_pipeline_checkpoint_resumes_a_plain_one_device_run(runs):
-    path = runs["pipeline"][0]["for one device"]
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_pipeline_checkpoint_resumes_a_plain_one_device_run(runs, kind, tmp_path):
+    # a sharded checkpoint through `consolidate`: its optimizer states stayed keyed by name, and the one-device
+    # resume failed with torch's bare KeyError: 'param_groups'
+    path = runs["pipeline"][0][f"for one device {kind}"]
+    if kind == "sharded":
+        torch.save(consolidate(path), tmp_path / "consolidated.ckpt")
+        path = str(tmp_path / "consolidated.ckpt")
     saved = torch.load(path, weights_only=False)
     names = saved["optimizer_states"][0]["param_groups"][0]["param_names"]
     assert names == [n for n, _ in M.Net().named_parameters()]  # numbered as a one-device optimizer numbers them

@@ -203,12 +203,7 @@ def test_backbone_finetuning_checkpoints_hold_every_stages_param_groups(epoch, r
         mine = _load(path)
         assert mine["callbacks"]["BackboneFinetuning"] == theirs["callbacks"]["BackboneFinetuning"], path
         saved, expected = mine["optimizer_states"][0], theirs["optimizer_states"][0]
-        if "groups" in saved:  # sharded: the named form
-            assert [sorted(n for n, g in saved["group_of"].items() if g == i) for i in range(len(kept))] == [
-                sorted(group["params"]) for group in kept
-            ]
-            assert len(saved["state"]) == len(expected["state"])
-            continue
+        # a sharded file consolidated is numbered as a full one, as one device numbers it
         assert [g["param_names"] for g in saved["param_groups"]] == [g["params"] for g in kept]
         assert len(saved["state"]) == len(expected["state"]) == (2 if epoch == 0 else 10)
         for i, state in expected["state"].items():
@@ -278,7 +273,9 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refused_on_every_rank_within_seconds_before_the_first_step(case, ranks, outcome):
-    assert outcome.exitcodes == [1] * STAGES  # the refused runs end each process with an error, none hangs
+    # the worker catches every refusal and returns: each process ends with the status the interpreter gives it, 0
+    # (not a fixed 1 after a failure), and none hangs
+    assert outcome.exitcodes == [0] * STAGES
     for rank, results in enumerate(ranks):
         got = results["refused"][case]
         assert got["error"] is not None and got["error"].startswith(REFUSALS[case]), (rank, got["error"])

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element  # private: what DCP's own planner uses
 
 from lightning_gpipe.checkpointing.metadata import JSON_FILE, MetadataError, encode, load_metadata, save_metadata
+from lightning_gpipe.checkpointing.optim_state import from_named
 from lightning_gpipe.engine.distributed import is_distributed
 
 __all__ = [
@@ -240,11 +241,17 @@ def consolidate(path: str) -> dict[str, Any]:
     job too: it reads alone).
 
     Its ``state_dict`` is the whole model's, so ``torch.save`` it and ``Model.load_from_checkpoint``
-    works on one device; its optimizer states stay keyed by parameter name, which this package's
-    strategy resumes from with any number of stages.
+    works on one device. Its optimizer states are numbered as a full checkpoint's are, as a one-device optimizer
+    numbers its parameters, with ``param_names`` beside them: a plain one-device ``trainer.fit(ckpt_path=...)``
+    resumes the saved file, and so does this package's strategy with any number of stages. (They stayed keyed by
+    name, which a one-device resume could not load: torch's ``KeyError: 'param_groups'``.)
     """
     checkpoint = load_sharded(path, wanted=lambda keys: True, collective=False)
     order = checkpoint.get("gpipe", {}).get("state_dict_keys")
     if order:
         checkpoint["state_dict"] = {k: checkpoint["state_dict"][k] for k in order}
+    names = list(order or checkpoint["state_dict"])
+    checkpoint["optimizer_states"] = [
+        from_named(saved, names) if "groups" in saved else saved for saved in checkpoint.get("optimizer_states", [])
+    ]
     return checkpoint

@@ -174,12 +174,14 @@ def _relative_to_a_submodule(by_name: dict[str, int], names: list[str]) -> Optio
     return {fits[0] + k: v for k, v in by_name.items()} if len(fits) == 1 else None
 
 
-def from_named(named: Mapping[str, Any]) -> dict[str, Any]:
+def from_named(named: Mapping[str, Any], order: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """A :func:`named_state` (as a sharded checkpoint stores it) in the form :func:`localize` reads.
 
     Each group lists the names that ``group_of`` puts in it, with or without state. (Without
     ``group_of``, every group lists every name that has state, and :func:`localize` looks each of its
-    own parameters up within its own group, which finds it.)
+    own parameters up within its own group, which finds it.) With ``order`` (the model's names in its order),
+    each group lists its names in that order: the numbering a one-device optimizer built from
+    ``self.parameters()`` gives, so that a one-device run resumes the state by position.
     """
     saved = named.get("state", {})  # a sharded checkpoint drops an empty state
     group_of = named.get("group_of")
@@ -188,6 +190,9 @@ def from_named(named: Mapping[str, Any]) -> dict[str, Any]:
         if group_of is not None
         else [list(saved)] * len(named["groups"])
     )
+    if order is not None:
+        position = {name: i for i, name in enumerate(order)}
+        members = [sorted(names, key=lambda n: position.get(n, len(position))) for names in members]
     state: dict[int, Any] = {}
     groups = []
     index = 0
