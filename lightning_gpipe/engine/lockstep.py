@@ -10,7 +10,9 @@ __all__ = ["check_message", "stray_message_error", "OUT_OF_STEP_CAUSES", "DIFFER
 #: Why the ranks of a pipeline stop making the same backbone calls, and what to do instead.
 OUT_OF_STEP_CAUSES = (
     "Every rank of a pipeline must call the backbone the same number of times, in the same hooks and the same "
-    "order, because each call runs on all of its stages. Usual causes: a callback decorated with @rank_zero_only "
+    "order, because each call runs on all of its stages. Without Lightning (`GPipe` in a script of your own): make "
+    "the same calls of the pipe, forward and backward, on every process. Under Lightning, usual causes: a callback "
+    "decorated with @rank_zero_only "
     "(or code under `if trainer.is_global_zero:`) that calls the model, so one rank runs the backbone alone: call "
     "the model on every rank and only log or save on rank zero; data loaders of different lengths on different "
     "ranks; a step that calls the backbone a data-dependent number of times."
@@ -19,7 +21,9 @@ OUT_OF_STEP_CAUSES = (
 #: Why the stages of a pipeline see different batches, and how to fix it.
 DIFFERENT_BATCH_CAUSES = (
     "The stages of a pipeline must get the same batch at every step: the backbone learns from the first stage's "
-    "inputs and the last stage's targets, and the layers outside it from each rank's own. Usual causes: data "
+    "inputs and the last stage's targets, and the layers outside it from each rank's own. Without Lightning (`GPipe` "
+    "in a script of your own): give every process the same input, drawn from the same seed in the same order or "
+    "broadcast from one rank. Under Lightning, usual causes: data "
     "drawn at random before the Trainer starts, in a script that never seeds (a random subset, synthetic data: "
     "call `lightning.seed_everything(seed)` first); a `worker_init_fn` or Dataset that seeds from the global rank "
     "(seed from the data-parallel replica, `trainer.strategy.distributed_sampler_kwargs['rank']`, or use "
