@@ -56,6 +56,20 @@ def missing_backbone(module: nn.Module, backbone: str) -> ValueError:
     )
 
 
+def not_sequential(where: str, backbone: str, found: object) -> TypeError:
+    """The error for a ``backbone`` that is no nn.Sequential (a torchvision ``ResNet``, a residual block): it names
+    the nn.Sequentials inside it, as dotted paths to pass, the largest first."""
+    kind = type(found).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    inside = _sequentials(found) if isinstance(found, nn.Module) else []
+    listed = ", ".join(f"`{backbone}.{path}` ({len(seq)} layers)" for path, seq in inside[:5])
+    hint = f" It holds these nn.Sequentials, any of which can be named: {listed}." if inside else ""
+    return TypeError(
+        f"{where} is {article} {kind}, but the gpipe strategy splits an nn.Sequential into stages. Make the backbone "
+        f"an nn.Sequential of its layers, or name one inside it with GPipeStrategy(backbone=...).{hint}"
+    )
+
+
 def _sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:
     """The outermost nn.Sequential submodules of ``module`` (none inside another), by dotted path, those with the
     most parameters first: what a missing backbone's error offers as the ``backbone=`` to name. The strategy never

@@ -549,10 +549,7 @@ class GPipeStrategy(ParallelStrategy):
                 f"stages: {compile_layers}."
             )
         if not isinstance(sequential, nn.Sequential):
-            raise TypeError(
-                f"{where} is a {type(sequential).__name__}, but the gpipe strategy "
-                "splits an nn.Sequential into stages. Make the backbone an nn.Sequential of its layers."
-            )
+            raise refusals.not_sequential(where, self.backbone, sequential)
         if getattr(sequential, "_compiled_call_impl", None) is not None:  # set by nn.Module.compile()
             raise ValueError(
                 f"{where}.compile() compiles the Sequential's call, but under the pipeline no stage calls the "

@@ -715,6 +715,37 @@ class AbortsOnRankOne(Callback):
             os.abort()
 
 
+class RaisesOnOneSample(nn.Module):
+    def forward(self, x):
+        if self.training and x.shape[0] == 1:
+            raise ValueError("boom on one sample")
+        return x
+
+
+class LastStageRaises(L.LightningModule):
+    """A layer of the last stage raises on the first micro-batch of one sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), RaisesOnOneSample(), nn.Linear(8, 3))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.backbone(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def last_stage_raises(rank: int, world_size: int) -> None:
+    """Micro-batches of one sample, so that stage 0 still sends when stage 1's layer raises and its process ends."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=GPipeStrategy(balance=[2, 3], chunks=16), devices=world_size, **M.trainer_kwargs())
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    trainer.fit(LastStageRaises(), DataLoader(data, batch_size=16))
+
+
 class FailsToPredict(M.Net):
     def predict_step(self, batch, batch_idx):
         raise ValueError(f"boom in predict on rank {self.global_rank}")

@@ -101,6 +101,16 @@ def test_a_layer_that_fails_is_named_by_index_and_type():
         profile_layers(model, torch.randn(2, 3))
 
 
+def test_a_batch_norm_profiled_on_one_sample_is_told_to_use_fewer_chunks_not_an_explicit_balance():
+    # chunks equal to the batch size: the advice was "give the split explicitly with `balance`", which only moved the
+    # same error to the first step
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    with pytest.raises(RuntimeError, match=r"Profiling layer 1 \(BatchNorm1d\) .* of 1 sample failed") as refused:
+        profile_layers(model, torch.randn(1, 3))
+    assert "at least 2 x chunks samples" in str(refused.value) and "fewer chunks" in str(refused.value)
+    assert "`balance`" not in str(refused.value)
+
+
 def test_a_last_layer_whose_output_cannot_leave_the_pipeline_is_named_too():
     class Namespace(nn.Module):
         def forward(self, x):

@@ -205,6 +205,28 @@ def test_backbone_that_is_not_a_sequential():
         _fit(model, GPipeStrategy())
 
 
+def test_a_backbone_that_holds_sequentials_names_them_to_pass_with_the_right_article():
+    # a torchvision ResNet (its `layer1`...) or an InvertedResidual ("is a InvertedResidual") named no way out
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = nn.Sequential(nn.Linear(M.FEATURES, M.FEATURES), nn.ReLU(), nn.Linear(M.FEATURES, 8))
+            self.extra = nn.Sequential(nn.Identity())
+
+        def forward(self, x):
+            return self.features(x)
+
+    model = M.Net()
+    model.backbone = Residual()
+    with pytest.raises(TypeError, match=r"`Net.backbone` is a Residual, but") as refused:
+        _fit(model, GPipeStrategy())
+    assert "`backbone.features` (3 layers), `backbone.extra` (1 layers)" in str(refused.value)
+    model.backbone = torch.nn.Module()
+    model.backbone.__class__ = type("InvertedResidual", (nn.Module,), {"forward": lambda self, x: x})
+    with pytest.raises(TypeError, match=r"`Net.backbone` is an InvertedResidual, but"):
+        _fit(model, GPipeStrategy())
+
+
 def test_stage_output_that_is_not_tensors_in_tuples_lists_or_dicts():
     class Namespace(nn.Module):
         def forward(self, x):

@@ -63,6 +63,18 @@ def test_a_failing_stage_under_on_exception_checkpoint_ends_every_rank_with_its_
     assert os.listdir(tmp_path) == []  # no checkpoint, partial or temporary, at its path or beside it
 
 
+def test_a_layer_of_the_last_stage_that_raises_while_stage_0_still_sends_reaches_stage_0_with_its_cause():
+    # stage 0, waiting for a send buffer to come back, met the ended process's closed connection first and said only
+    # "Lost the connection to stage 1 (rank 1): [...pair.cc:545] Read error ... Connection reset by peer"
+    outcome = run_processes(W.last_stage_raises, 2, timeout=120)
+    _assert_all_ended_with_errors(outcome)
+    assert outcome.errors[1].startswith("ValueError: boom on one sample"), outcome.errors[1]
+    assert outcome.errors[0].startswith("PipelineError: stage 1 (rank 1) failed: ValueError: boom on one sample"), (
+        outcome.errors[0]
+    )
+    assert "raised by layer 3 (RaisesOnOneSample) on stage 1 on micro-batch 0" in outcome.errors[0]
+
+
 def test_a_copy_of_the_backbone_updated_from_its_stage_ends_every_rank_before_the_next_step_naming_the_copy():
     # a momentum encoder's zip pairs this rank's stage with the copy's first layers: before, the stages' copies
     # parted, and every stage took the first stage's, whose later layers no stage had updated (with a warning)

@@ -22,6 +22,7 @@ from lightning_gpipe.balancing.live_bytes import LiveBytes
 from lightning_gpipe.engine import microbatch, structure
 from lightning_gpipe.engine.checkpoint import restore_buffer
 from lightning_gpipe.engine.forward_attributes import attributes_kept
+from lightning_gpipe.engine.layer_errors import one_sample_advice
 from lightning_gpipe.engine.rng import generators_kept, isolated_rng
 from lightning_gpipe.engine.sample_check import probing
 from lightning_gpipe.engine.skip import SkipKey, SkipTracker, find_skips, use_tracker
@@ -162,12 +163,15 @@ def profile_layers(
                     if index == len(module) - 1:
                         structure.flatten(x)  # the backbone output: what cannot leave a stage cannot leave the pipe
                 except Exception as error:
+                    # a BatchNorm on one sample: an explicit balance would only move the error to the first step
+                    advice = one_sample_advice(error) or (
+                        " The pipeline runs every layer on micro-batches too, so a layer that assumes the whole "
+                        "batch's size (a reshape to a fixed batch size) fails there as well. Fix the layer, or give "
+                        "the split explicitly with `balance`."
+                    )
                     raise RuntimeError(
                         f"Profiling layer {index} ({type(layer).__name__}) of the backbone on a micro-batch of {size} "
-                        f"sample{'s' * (size != 1)} failed with {type(error).__name__}: {error}. The pipeline runs "
-                        "every layer on micro-batches too, so a layer that assumes the whole batch's size (a reshape "
-                        "to a fixed batch size) fails there as well. Fix the layer, or give the split explicitly with "
-                        "`balance`."
+                        f"sample{'s' * (size != 1)} failed with {type(error).__name__}: {error}.{advice}"
                     ) from error
                 if sweep == 0:
                     activations[index] = measured.activation

@@ -92,8 +92,8 @@ class Link:
         work, _, pooled = self._pending.pop(mine[0])
         try:
             work.wait()
-        except RuntimeError as error:
-            raise PipelineError(f"Lost the connection to {self.name}: {error}") from error
+        except RuntimeError as error:  # the peer's own account first: a layer of it raised, and it ended
+            raise self._lost(error) from error
         assert pooled is not None
         return pooled
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_gpipe.engine import microbatch
 
-__all__ = ["note_layer_error"]
+__all__ = ["note_layer_error", "one_sample_advice"]
 
 #: torch's error for a BatchNorm given one sample in training, which a pipeline meets where one device does not
 _ONE_SAMPLE = "Expected more than 1 value per channel when training"
@@ -30,12 +30,18 @@ def note_layer_error(error: BaseException, layer: str, micro: int, given: Any, w
         size = "its samples"
     note = f"(raised by {layer[:1].lower()}{layer[1:]} on micro-batch {micro}, of {size}{why}: the pipeline cuts "
     note += "each batch into `chunks` micro-batches)"
-    if _ONE_SAMPLE in str(error):
-        note += (
-            " BatchNorm cannot train on one sample, and `chunks` cut this batch into micro-batches of one: give "
-            "every batch at least 2 x chunks samples (`drop_last=True` for a short last one), or use fewer chunks."
-        )
+    note += one_sample_advice(error)
     if hasattr(error, "add_note"):
         error.add_note(note)
     else:  # Python 3.10: kept where the failure board reads it
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def one_sample_advice(error: BaseException) -> str:
+    """What to change where ``error`` is a BatchNorm's on a micro-batch of one sample (else ``""``)."""
+    if _ONE_SAMPLE not in str(error):
+        return ""
+    return (
+        " BatchNorm cannot train on one sample, and `chunks` cut this batch into micro-batches of one: give "
+        "every batch at least 2 x chunks samples (`drop_last=True` for a short last one), or use fewer chunks."
+    )
