@@ -62,7 +62,7 @@ def not_sequential(where: str, backbone: str, found: object) -> TypeError:
     kind = type(found).__name__
     article = "an" if kind[:1].lower() in "aeiou" else "a"
     inside = _sequentials(found) if isinstance(found, nn.Module) else []
-    listed = ", ".join(f"`{backbone}.{path}` ({len(seq)} layers)" for path, seq in inside[:5])
+    listed = ", ".join(f"`{backbone}.{path}` ({len(seq)} layer{'s' * (len(seq) != 1)})" for path, seq in inside[:5])
     hint = f" It holds these nn.Sequentials, any of which can be named: {listed}." if inside else ""
     return TypeError(
         f"{where} is {article} {kind}, but the gpipe strategy splits an nn.Sequential into stages. Make the backbone "

@@ -220,7 +220,7 @@ def test_a_backbone_that_holds_sequentials_names_them_to_pass_with_the_right_art
     model.backbone = Residual()
     with pytest.raises(TypeError, match=r"`Net.backbone` is a Residual, but") as refused:
         _fit(model, GPipeStrategy())
-    assert "`backbone.features` (3 layers), `backbone.extra` (1 layers)" in str(refused.value)
+    assert "`backbone.features` (3 layers), `backbone.extra` (1 layer)" in str(refused.value)
     model.backbone = torch.nn.Module()
     model.backbone.__class__ = type("InvertedResidual", (nn.Module,), {"forward": lambda self, x: x})
     with pytest.raises(TypeError, match=r"`Net.backbone` is an InvertedResidual, but"):
