@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import random
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -423,7 +423,12 @@ def failing_layer(rank: int, world_size: int, in_backward: bool) -> str:
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)]
     layers[2 if in_backward else 1] = _Boom(in_backward)
-    pipe = GPipe(nn.Sequential(*layers), [2, 2], chunks=2)
+    return _one_step_caught(GPipe(nn.Sequential(*layers), [2, 2], chunks=2))
+
+
+def _one_step_caught(pipe: Any) -> str:
+    """One step of ``pipe`` on a batch of 8 samples of 4 features; what it raised, as a script that reports its
+    errors catches it; then the pipe and the group are closed."""
     try:
         pipe(torch.randn(8, 4)).sum().backward()
         return "no error"
@@ -450,15 +455,9 @@ def hung_layer(rank: int, world_size: int) -> str:
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Hangs(), nn.Linear(4, 2)), [2, 2], timeout=2.0)
-    try:
-        pipe(torch.randn(8, 4)).sum().backward()
-        return "no error"
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    finally:
-        pipe.close()
-        dist.destroy_process_group()
+    return _one_step_caught(
+        GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Hangs(), nn.Linear(4, 2)), [2, 2], timeout=2.0)
+    )
 
 
 def killed_between_steps(rank: int, world_size: int) -> str:
