@@ -954,7 +954,7 @@ class GPipeStrategy(ParallelStrategy):
         self._refuse_different_losses(digests[:, 3], f"the training step before batch {self._batch_idx}")
         if bool((digests[:, 5] != digests[0, 5]).any()):
             counts = [float("inf") if c < 0 else c for c in digests[:, 5].tolist()]
-            epoch = trainer.current_epoch if getattr(trainer, "reload_dataloaders_every_n_epochs", 0) else None
+            epoch = trainer.current_epoch if getattr(trainer, "reload_dataloaders_every_n_epochs", False) else None
             raise ValueError(_uneven_training(counts, pipe.ranks, self.layout.stage_of, epoch))
         if self._split_weights.watching:  # the first training step of a fit: a hook's random weights are refused
             apart = self._split_weights.rng_apart or bool((digests[:, 0] != digests[0, 0]).any())
@@ -1112,13 +1112,15 @@ class GPipeStrategy(ParallelStrategy):
             self._refuse_uneven_training(trainer)
             trainer.should_stop = self._any_stops(trainer.should_stop)
 
-    def _refuse_uneven_training(self, trainer: "pl.Trainer") -> None:
+    def _refuse_uneven_training(self, trainer: "pl.Trainer", epoch: Optional[int] = None) -> None:
         """Refuse, on every rank, a fit whose ranks would run different numbers of training batches an epoch.
 
         The stages of a pipeline must get the same batches, and every rank agrees with all the others at the end of
         each batch. Loaders whose batches are equal while both last pass the batch check, and the rank that ran out
         first left the others waiting: a deadlock, named only after ``failure_timeout`` + 5 s. Unknown lengths (an
-        IterableDataset) cannot be compared here; the deadlock check names those.
+        IterableDataset) cannot be compared here; the deadlock check names those. ``epoch``: the epoch whose loaders
+        were made anew (``reload_dataloaders_every_n_epochs``), compared at its first batch over every rank, the
+        replicas too (the gather before each step compares one pipeline's stages).
         """
         if self.pipe is None or self.world_size == 1:
             return
@@ -1127,7 +1129,7 @@ class GPipeStrategy(ParallelStrategy):
         counts = gathered[:, 0].tolist()
         if all(c == counts[0] for c in counts) or any(math.isinf(c) for c in counts):
             return
-        raise ValueError(_uneven_training(counts, list(range(len(counts))), self.layout.stage_of, None))
+        raise ValueError(_uneven_training(counts, list(range(len(counts))), self.layout.stage_of, epoch))
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -1383,6 +1385,9 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_idx = batch_idx
+        trainer = self._trainer()
+        if trainer is not None and batch_idx == 0 and getattr(trainer, "reload_dataloaders_every_n_epochs", False):
+            self._refuse_uneven_training(trainer, trainer.current_epoch)  # over every rank, replicas too
         self._refuse_stage_grad_norms(f"Before training batch {batch_idx}")
         self._first_replicas_buffers()
         self._buffers_due = True  # unless the step accumulates (`block_backward_sync`)

@@ -400,27 +400,34 @@ class FirstOnRank(torch.utils.data.Sampler):
 
 
 class OtherLengthsFromEpochOne(M.Net):
-    """Its loader is made anew every epoch: 40 samples on every rank in epoch 0, then ``FirstOnRank``'s."""
+    """Its loader is made anew every epoch: 40 samples on every rank in epoch 0, then ``FirstOnRank``'s (by global
+    rank, or, ``by_replica``, by data-parallel replica: the stages of each pipeline alike)."""
+
+    def __init__(self, by_replica: bool = False) -> None:
+        super().__init__()
+        self.by_replica = by_replica
 
     def train_dataloader(self) -> DataLoader:
-        sampler = FirstOnRank(self.global_rank) if self.trainer.current_epoch > 0 else range(40)
+        rank = self.trainer.strategy.distributed_sampler_kwargs["rank"] if self.by_replica else self.global_rank
+        sampler = FirstOnRank(rank) if self.trainer.current_epoch > 0 else range(40)
         return DataLoader(M.dataset(40), batch_size=8, sampler=sampler)
 
 
 def loaders_of_other_lengths(rank: int, world_size: int, which: str) -> None:
     """Rank 1's loader holds fewer batches than rank 0's: ``which`` is ``"training"`` (from the start), ``"reloaded"``
-    (training, from epoch 1 on), ``"validation"`` or ``"predict"``."""
+    (training, from epoch 1 on), ``"validation"`` or ``"predict"``; ``"reloaded by replica"``: replica 1's, from
+    epoch 1 on (4 ranks: 2 replicas of 2 stages)."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    reload = 1 if which == "reloaded" else 0
+    reload = 1 if which.startswith("reloaded") else 0
     kwargs = M.trainer_kwargs(
         max_steps=-1, max_epochs=3, reload_dataloaders_every_n_epochs=reload, limit_val_batches=1.0
     )
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=world_size, **kwargs)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2, pipe_size=2), devices=world_size, **kwargs)
     shorter = DataLoader(M.dataset(40), batch_size=8, sampler=FirstOnRank(rank))
-    if which == "reloaded":
-        trainer.fit(OtherLengthsFromEpochOne())
+    if which.startswith("reloaded"):
+        trainer.fit(OtherLengthsFromEpochOne(by_replica=which == "reloaded by replica"))
     elif which == "training":
         trainer.fit(M.Net(), shorter)
     elif which == "validation":

@@ -447,8 +447,13 @@ def test_a_stream_longer_on_one_rank_ends_every_rank_with_the_deadlock_naming_th
         ("reloaded", "training batches in epoch 1, whose loaders were made anew", "5, rank 1 (stage 1): 4"),
         ("validation", "validation batches per loader", "[5], rank 1 (stage 1): [4]"),
         ("predict", "predict batches per loader", "[5], rank 1 (stage 1): [4]"),
+        (
+            "reloaded by replica",
+            "training batches in epoch 1, whose loaders were made anew",
+            "3, rank 1 (stage 1): 3, ",
+        ),
     ],
-    ids=["training", "training-made-anew-in-epoch-1", "validation", "predict"],
+    ids=["training", "training-made-anew-in-epoch-1", "validation", "predict", "replicas-made-anew-in-epoch-1"],
 )
 def test_loaders_of_other_lengths_on_the_stages_are_refused_before_their_loop_naming_each_ranks_count(
     which, what, counts
@@ -457,7 +462,7 @@ def test_loaders_of_other_lengths_on_the_stages_are_refused_before_their_loop_na
     # deadlock at the shorter one's epoch end, named after failure_timeout + 5 s (47 s in the outside tester's run;
     # 35 s for loaders made anew in epoch 1, `reload_dataloaders_every_n_epochs`, which are compared before each
     # step), or, in an evaluation, to "fell out of step", which named no cause
-    outcome = run_processes(W.loaders_of_other_lengths, 2, which, timeout=120)
+    outcome = run_processes(W.loaders_of_other_lengths, 4 if "replica" in which else 2, which, timeout=120)
     _assert_all_ended_with_errors(outcome)
     for error in outcome.errors:
         assert error.startswith(f"ValueError: The ranks would run different numbers of {what} (rank 0 (stage 0): "), (
