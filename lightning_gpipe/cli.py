@@ -254,11 +254,8 @@ def plan_command(args: Optional[list[str]] = None) -> dict[str, Any]:
         result = plan(model, stages, batch_size, link, max_memory=options.memory, chunks=grid, search=True)
         choice = result.choice if result.fitting else None
         print(f"\nK={stages} (a batch of {batch_size}):\n{plan_table(result, options.rows)}", flush=True)
-        if choice is None:
-            try:
-                _ = result.choice
-            except ValueError as error:  # what the strategy would refuse with, under the same cap
-                print(f"K={stages}: nothing fits. {str(error).replace('max_memory=', '--memory ')}", flush=True)
+        if choice is None:  # what the strategy would refuse with, under the same cap
+            print(f"K={stages}: nothing fits. {result.nothing_fits('--memory ')}", flush=True)
         report["plans"].append(
             {
                 "stages": stages,

@@ -928,9 +928,6 @@ class GPipeStrategy(ParallelStrategy):
           the same layers outside it, so a difference means that the loss depends on the stage: a penalty over
           ``self.parameters()``, which holds one stage during a fit, adds each stage's own part, the logged loss is
           stage 0's part and a loss scaled by it trains the stages apart. Every stage raises, naming both values.
-        - the number of training batches of this epoch. :meth:`_refuse_uneven_training` compares it once, at the start
-          of training; loaders made anew in a later epoch (``reload_dataloaders_every_n_epochs``) may differ by then,
-          and the ranks would meet at the shorter one's end in a deadlock. Every stage raises, naming each count.
         """
         pipe, trainer = self.pipe, self._trainer()
         if pipe is None or pipe.group is None or trainer is None or not self._active():
@@ -943,19 +940,12 @@ class GPipeStrategy(ParallelStrategy):
         outer = self._outer.fingerprint() if self._outer is not None else 0
         loss = loss_bits(self._last_loss)
         drawn = self._split_weights.changed(pipe.parameters())
-        batches = trainer.num_training_batches
         mine = torch.tensor(
-            [digest(state), digest(settings), outer, loss, drawn, -1 if math.isinf(batches) else int(batches)],
-            dtype=torch.int64,
-            device=self.root_device,
+            [digest(state), digest(settings), outer, loss, drawn], dtype=torch.int64, device=self.root_device
         )
         watch = self._watch("a comparison of the stages' random states, optimizer settings, outer layers and losses")
         digests = distributed.all_gather(mine, pipe.group, watch)
         self._refuse_different_losses(digests[:, 3], f"the training step before batch {self._batch_idx}")
-        if bool((digests[:, 5] != digests[0, 5]).any()):
-            counts = [float("inf") if c < 0 else c for c in digests[:, 5].tolist()]
-            epoch = trainer.current_epoch if getattr(trainer, "reload_dataloaders_every_n_epochs", False) else None
-            raise ValueError(_uneven_training(counts, pipe.ranks, self.layout.stage_of, epoch))
         if self._split_weights.watching:  # the first training step of a fit: a hook's random weights are refused
             apart = self._split_weights.rng_apart or bool((digests[:, 0] != digests[0, 0]).any())
             self._split_weights.note(None)
@@ -1119,8 +1109,8 @@ class GPipeStrategy(ParallelStrategy):
         each batch. Loaders whose batches are equal while both last pass the batch check, and the rank that ran out
         first left the others waiting: a deadlock, named only after ``failure_timeout`` + 5 s. Unknown lengths (an
         IterableDataset) cannot be compared here; the deadlock check names those. ``epoch``: the epoch whose loaders
-        were made anew (``reload_dataloaders_every_n_epochs``), compared at its first batch over every rank, the
-        replicas too (the gather before each step compares one pipeline's stages).
+        were made anew (``reload_dataloaders_every_n_epochs``), compared at its first batch: without a reload the
+        lengths cannot change after the start of training.
         """
         if self.pipe is None or self.world_size == 1:
             return
@@ -1129,7 +1119,7 @@ class GPipeStrategy(ParallelStrategy):
         counts = gathered[:, 0].tolist()
         if all(c == counts[0] for c in counts) or any(math.isinf(c) for c in counts):
             return
-        raise ValueError(_uneven_training(counts, list(range(len(counts))), self.layout.stage_of, epoch))
+        raise ValueError(_uneven_training(counts, self.layout.stage_of, epoch))
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -1902,14 +1892,10 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
 
 
-def _uneven_training(
-    counts: list[float], ranks: list[int], stage_of: Callable[[int], int], epoch: Optional[int]
-) -> str:
+def _uneven_training(counts: list[float], stage_of: Callable[[int], int], epoch: Optional[int]) -> str:
     """The error for ranks that would run different numbers of training batches an epoch (``epoch``: the epoch whose
     loaders were made anew, or ``None`` at the start of training)."""
-    shown = ", ".join(
-        f"rank {r} (stage {stage_of(r)}): {'unknown' if math.isinf(c) else int(c)}" for r, c in zip(ranks, counts)
-    )
+    shown = ", ".join(f"rank {r} (stage {stage_of(r)}): {int(c)}" for r, c in enumerate(counts))
     when = "an epoch" if epoch is None else f"in epoch {epoch}, whose loaders were made anew"
     return _uneven_batches(f"training batches {when}", shown)
 

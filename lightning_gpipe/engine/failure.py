@@ -98,12 +98,10 @@ def _record_exit_calls() -> None:
     """Note what ``sys.exit`` is called with from now on: at the exit handlers, nothing else tells a
     ``sys.exit(3)`` (or torch's spawn wrapper's ``sys.exit(1)`` after a worker's exception) from a script
     that ended normally."""
-    original = sys.exit
 
     def exit(status: object = None) -> NoReturn:  # noqa: A001  # sys.exit's own name, for tracebacks
         _EXIT_CALLS.append(status)
-        original(status)  # type: ignore[arg-type]
-        raise AssertionError("sys.exit returned")  # never: it raises SystemExit
+        raise SystemExit(status)  # what sys.exit does
 
     sys.exit = exit
 

@@ -69,9 +69,7 @@ def _splitter(balance: Union[str, Sequence[int]], together: list[tuple[int, int]
         params = parameter_costs(module)
         return lambda model, stages, size: balance_keeping_together(params, stages, together)
     if balance == "memory":
-        return lambda model, stages, size: balance_keeping_together(
-            [s + r.activation_bytes for s, r in zip(model.state_bytes, model.layers(size))], stages, together
-        )
+        return lambda model, stages, size: balance_keeping_together(model.memory(size), stages, together)
     # "time" and "auto" start from the split by time; "auto" then searches near it (`plan`)
     return (
         by_time

@@ -128,6 +128,10 @@ class CostModel:
         """Forward plus backward of each layer at ``size``: the cost a split by time balances."""
         return [row.forward + row.backward for row in self.layers(size)]
 
+    def memory(self, size: float) -> list[float]:
+        """Each layer's state plus the activations it saves at ``size``: the cost a split by memory balances."""
+        return [state + row.activation_bytes for state, row in zip(self.state_bytes, self.layers(size))]
+
     def step_costs(
         self,
         balance: Sequence[int],

@@ -50,7 +50,7 @@ def by_time(model: CostModel, stages: int, size: float) -> list[int]:
 
 def by_memory(model: CostModel, stages: int, size: float) -> list[int]:
     """The optimal split by each layer's state and saved activations at this micro-batch size."""
-    return optimal_balance([s + row.activation_bytes for s, row in zip(model.state_bytes, model.layers(size))], stages)
+    return optimal_balance(model.memory(size), stages)
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,18 @@ class Plan:
         """The fastest candidate that fits; a ``ValueError`` naming the smallest peak when none does."""
         fitting = self.fitting
         if not fitting:
-            smallest = min(self.candidates, key=lambda c: c.prediction.peak_memory)
-            raise ValueError(
-                f"No (chunks, checkpoint, balance) is predicted to fit in max_memory={_bytes(self.max_memory or 0)} "
-                f"per device: the smallest predicted peak is {_bytes(smallest.prediction.peak_memory)} "
-                f"({smallest.describe()}). Use more devices, a smaller batch, a larger max_memory, or, where the "
-                "split was not searched, balance='auto' or a split of your own."
-            )
+            raise ValueError(self.nothing_fits("max_memory="))
         return fitting[0]
+
+    def nothing_fits(self, cap: str) -> str:
+        """Why no candidate fits the memory cap (named ``cap``, an argument or an option): the smallest peak."""
+        smallest = min(self.candidates, key=lambda c: c.prediction.peak_memory)
+        return (
+            f"No (chunks, checkpoint, balance) is predicted to fit in {cap}{_bytes(self.max_memory or 0)} "
+            f"per device: the smallest predicted peak is {_bytes(smallest.prediction.peak_memory)} "
+            f"({smallest.describe()}). Use more devices, a smaller batch, a larger max_memory, or, where the "
+            "split was not searched, balance='auto' or a split of your own."
+        )
 
     @property
     def runner_up(self) -> Optional[Candidate]:
