@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -376,6 +377,9 @@ class GPipeStrategy(ParallelStrategy):
         self._failed = False
         #: After a pipelined run, each rank's optimizers still hold only their stage's state (see ``optimizer_state``).
         self._stage_optimizers = False
+        #: The whole model's optimizer states gathered at the end of a fit, by optimizer, on the first stage of each
+        #: pipeline, so that ``trainer.save_checkpoint(path)`` after ``fit`` writes what it writes on one device.
+        self._states_at_the_end: dict[int, dict[str, Any]] = {}
         self._full_names: list[str] = []  # the model's parameter names in order, before partitioning
         self._layouts: list[optim_state.Layout] = []  # per optimizer: its groups over the whole model
         self._emptied: list[torch.optim.Optimizer] = []  # optimizers given no parameters on this stage
@@ -1133,6 +1137,7 @@ class GPipeStrategy(ParallelStrategy):
         selected by position (``self.backbone[-1].parameters()``, one per layer) come out alike on every stage;
         the ``meta`` parameters are then dropped from them, leaving this stage's.
         """
+        self._states_at_the_end = {}  # a new fit's optimizers
         # a layer another stage holds reads as its meta copy: `self.backbone[-1].parameters()`, then dropped
         every_layer = self.pipe.all_layers() if self.pipe is not None else nullcontext()
         try:
@@ -1553,11 +1558,13 @@ class GPipeStrategy(ParallelStrategy):
         """The optimizer's state for the whole model, numbered as on one device, on the first stage; collective."""
         optimizer = _unwrap(optimizer)
         if self.pipe is None and self._stage_optimizers:
+            if id(optimizer) in self._states_at_the_end:
+                return self._states_at_the_end[id(optimizer)]
             raise RuntimeError(
-                "trainer.save_checkpoint() was called after the pipelined run ended: the backbone is whole again, but "
-                "each rank's optimizer holds only its own stage's state, and the stages no longer run to gather it. "
-                "Save while the run is under way (a ModelCheckpoint callback, or trainer.save_checkpoint in a hook "
-                "such as on_train_end), or save the weights alone now: "
+                "trainer.save_checkpoint() was called after the pipelined run ended: each rank's optimizer holds only "
+                "its own stage's state, and the stages no longer run to gather it (they gather it at the end of a "
+                "fit, for the optimizers that fit trained). Save while the run is under way (a ModelCheckpoint "
+                "callback, or trainer.save_checkpoint in a hook such as on_train_end), or save the weights alone now: "
                 "trainer.save_checkpoint(path, weights_only=True)."
             )
         if self.pipe is None or self.lightning_module is None or self.failed:
@@ -1571,6 +1578,20 @@ class GPipeStrategy(ParallelStrategy):
         # the groups as they are now: a callback (BackboneFinetuning) may have added some since setup
         groups = optim_state.layout([optim_state.group_names(part) for part in parts], self._full_names)
         return optim_state.merge(parts, groups)
+
+    def _gather_states_at_the_end(self) -> dict[int, dict[str, Any]]:
+        """Every optimizer's whole-model state, on the CPU of each pipeline's first stage (``{}`` on the other stages,
+        whose checkpoint is not written); collective over the pipeline, at the end of a full-mode run.
+
+        After ``fit`` the pipe is closed, so the stages cannot be asked any more, while a one-device script commonly
+        calls ``trainer.save_checkpoint(path)`` then. Gathering once here costs what one checkpoint save during the run
+        costs, and keeps the whole optimizer state in the first stage's host memory (with Adam, twice the model's
+        size; every rank already holds the whole backbone there after the run).
+        """
+        if self.layout.pipe_size == 1 or not self.optimizers:
+            return {}
+        states = {id(_unwrap(o)): self.optimizer_state(o) for o in self.optimizers}
+        return {key: move_data_to_device(state, torch.device("cpu")) for key, state in states.items()}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -1809,7 +1830,8 @@ class GPipeStrategy(ParallelStrategy):
         """Put the backbone back into the LightningModule as an ``nn.Sequential``.
 
         Full mode: the whole trained backbone, on every rank (the other stages' layers on the CPU), and likewise
-        the averaged backbone of every weight-averaging callback's model copy.
+        the averaged backbone of every weight-averaging callback's model copy; after a fit, the whole optimizer
+        state on each pipeline's first stage too, for ``trainer.save_checkpoint`` after ``fit``.
         Sharded mode is for models that do not fit one host, so nothing is gathered: each rank keeps its
         own stage's trained layers and the other stages' layers stay on ``meta``, where any use fails
         loudly instead of running with untrained weights.
@@ -1823,6 +1845,9 @@ class GPipeStrategy(ParallelStrategy):
                 sharded = (owner, name, self.pipe.full_sequential())
                 sharded_leftover.leave(sharded[2], self.pipe.balance, int(self.chunks), self.checkpoint)
             else:
+                trainer = self._trainer()
+                if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # while the pipe names their params
+                    self._states_at_the_end = self._gather_states_at_the_end()
                 for copy_owner, copy_name, cut in self._copies:  # the weight averages, whole on every rank too
                     setattr(copy_owner, copy_name, model_state.reassemble_copy(cut))
                 setattr(owner, name, model_state.reassemble(self.pipe))

@@ -59,9 +59,9 @@ def pipelined(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     strategy = GPipeStrategy(chunks=B.CHUNKS, deferred_batch_norm=True, balance=FIT_BALANCE)
     trainer, first = fit(strategy, world_size, FIT_STEPS, callbacks=[monitor, saver])
     path = os.path.join(directory, "skips.ckpt")
-    try:  # after the run: the optimizers hold their stages' state only
-        trainer.save_checkpoint(os.path.join(directory, "after.ckpt"))
-        after_fit = "saved"
+    try:  # after the run, as a one-device script saves its final model
+        after_fit = os.path.join(directory, "after.ckpt")
+        trainer.save_checkpoint(after_fit)
     except RuntimeError as error:
         after_fit = str(error)
     trainer.save_checkpoint(os.path.join(directory, "weights.ckpt"), weights_only=True)

@@ -987,3 +987,16 @@ def rank_zero_collective_between_runs(rank: int, world_size: int, then: str) -> 
         first.validate(model, M.loader(), verbose=False)
     else:  # a new Trainer's strategy forms its process groups first
         trainer().fit(M.Net(), M.loader())
+
+
+def saves_after_fit(path: str, ranks: str) -> None:
+    """A fit under Lightning's popen launcher, then ``trainer.save_checkpoint(path)`` after ``fit`` returned, on every
+    rank (``ranks="every"``) or, as one-device habits write it, under ``if trainer.is_global_zero:``."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=2, **M.trainer_kwargs(max_steps=2))
+    trainer.fit(M.Net(), M.loader())
+    if ranks == "every" or trainer.is_global_zero:
+        trainer.save_checkpoint(path)
+    print(f"rank {trainer.global_rank} done", flush=True)

@@ -129,14 +129,29 @@ def test_a_pipeline_checkpoint_with_skips_resumes_on_one_device_as_a_one_device_
         torch.testing.assert_close(resumed["weights"][key], value, atol=1e-6, rtol=0, msg=key)
 
 
-def test_a_full_checkpoint_after_the_run_is_refused_on_every_rank_and_weights_only_holds_the_whole_model(
+def test_a_checkpoint_saved_after_fit_returned_holds_the_last_steps_weights_and_optimizer_state_as_saved_in_the_run(
     lightning_runs,
 ):
     import _skip_lightning as SL
 
-    for run in lightning_runs:
-        assert run["after fit"].startswith("trainer.save_checkpoint() was called after the pipelined run ended")
-        assert "weights_only=True" in run["after fit"]
+    assert all(run["after fit"] == lightning_runs[0]["after fit"] for run in lightning_runs), "every rank saved"
+    after = torch.load(lightning_runs[0]["after fit"], weights_only=False)
+    in_run = torch.load(lightning_runs[0]["checkpoint"], weights_only=False)  # ModelCheckpoint at the last step
+    assert after["global_step"] == in_run["global_step"] == SL.FIT_STEPS
+    assert list(after["state_dict"]) == list(in_run["state_dict"])
+    for key, value in in_run["state_dict"].items():
+        assert torch.equal(after["state_dict"][key], value), key
+    (state,), (expected,) = after["optimizer_states"], in_run["optimizer_states"]
+    assert state["param_groups"] == expected["param_groups"]
+    assert expected["state"] and sorted(state["state"]) == sorted(expected["state"])  # every parameter's momentum
+    for index, slots in expected["state"].items():
+        for slot, value in slots.items():
+            assert torch.equal(torch.as_tensor(state["state"][index][slot]), torch.as_tensor(value)), (index, slot)
+
+
+def test_weights_only_saved_after_fit_returned_hold_the_whole_model(lightning_runs):
+    import _skip_lightning as SL
+
     saved = torch.load(lightning_runs[0]["weights only"], weights_only=False)
     assert "optimizer_states" not in saved
     straight = SL.one_device(SL.FIT_STEPS)["weights"]

@@ -134,6 +134,31 @@ def test_a_script_that_catches_a_failed_trainer_call_exits_with_its_own_status(t
     assert seconds < BOUND
 
 
+@pytest.mark.parametrize("ranks", ["every", "zero"])
+def test_a_checkpoint_saved_after_fit_under_the_default_launcher_is_whole_and_a_save_on_rank_zero_alone_names_why_it_fails(
+    tmp_path, ranks
+):
+    # after `fit`, `trainer.save_checkpoint(path)` was refused (the optimizers hold one stage each); under
+    # `if trainer.is_global_zero:` rank 0's barrier then lost the other rank, which it said had crashed
+    path = tmp_path / "after.ckpt"
+    result, seconds = _under_the_default_launcher(tmp_path, f"saves_after_fit({str(path)!r}, {ranks!r})")
+    assert seconds < BOUND
+    saved = torch.load(path, weights_only=False)  # rank 0 writes before Lightning's barrier, in both cases
+    assert set(saved["state_dict"]) == set(M.Net().state_dict())
+    assert len(saved["optimizer_states"][0]["state"]) == len(list(M.Net().parameters()))  # every stage's
+    if ranks == "every":
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "rank 0 done" in result.stdout and "rank 1 done" in result.stdout
+        return
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "rank 1 done" in result.stdout and "rank 0 done" not in result.stdout
+    assert (
+        "Lost the connection to stage 1 (rank 1) during Lightning's barrier 'Trainer.save_checkpoint': it had already "
+        "ended its script (rank 1: without an error), so the ranks did not make the same calls" in result.stderr
+    )
+    assert "`if trainer.is_global_zero:`" in result.stderr and "killed by a signal" not in result.stderr
+
+
 def test_a_rank_hung_in_its_own_step_under_the_default_launcher_ends_with_its_stack_instead_of_outliving_the_job(
     tmp_path,
 ):

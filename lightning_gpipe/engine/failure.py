@@ -36,6 +36,9 @@ __all__ = [
 ]
 
 _KEY, _ACKS = "failed", "acks"
+#: Where each process says, at its interpreter's exit, how its script ended (outside any run's namespace): a peer
+#: whose collective it left waiting can then say so, instead of guessing at a crash (:meth:`FailureBoard.lost`).
+_EXITED, _NO_ERROR = "lightning_gpipe/exited", "without an error"
 
 #: This process's boards that published a failure on rank 0, the store's host: at its exit it keeps the store up until
 #: the others know of it (:func:`_linger`). A process may fail several runs (one board each).
@@ -64,6 +67,16 @@ def _default_store() -> Optional[dist.Store]:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, AttributeError, ValueError):
         return None
+
+
+def _say_how_the_script_ended(store: dist.Store, rank: int) -> None:
+    """At the interpreter's normal exit (not after a pipeline failure, which ends the process without it): write how
+    this rank's script ended, for a peer that a collective of its own then finds cut off."""
+    error = getattr(sys, "last_value", None)  # set by the interpreter for an exception that ended the script
+    how = _NO_ERROR if error is None else f"with {type(error).__name__}: {error}"[:500]
+    writer = threading.Thread(target=FailureBoard._quietly, args=(store.set, f"{_EXITED}/{rank}", how), daemon=True)
+    writer.start()
+    writer.join(timeout=1.0)  # a store whose host is gone must not hold the exit up
 
 
 def exit_without_finalizers(board: Optional["FailureBoard"] = None, code: Optional[int] = None) -> None:
@@ -196,13 +209,20 @@ class FailureBoard:
         self._beats: dict[int, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._base: Optional[dist.Store] = None  # the store without this run's namespace (for :data:`_EXITED`)
 
     @classmethod
     def for_default_group(cls, describe: Callable[[int], str], namespace: str) -> "FailureBoard":
         """A board on the default group's store; a no-op outside ``torch.distributed``."""
         if not is_distributed():
             return cls(None, 0, 1, describe, namespace)
-        return cls(_default_store(), dist.get_rank(), dist.get_world_size(), describe, namespace)
+        store, rank = _default_store(), dist.get_rank()
+        if store is not None and not getattr(_say_how_the_script_ended, "registered", False):
+            _say_how_the_script_ended.registered = True  # type: ignore[attr-defined]
+            atexit.register(_say_how_the_script_ended, store, rank)  # after the groups' destroyer: runs before it
+        board = cls(store, rank, dist.get_world_size(), describe, namespace)
+        board._base = store
+        return board
 
     # -- the training thread's side: no store access ------------------------------------------------------
 
@@ -277,6 +297,28 @@ class FailureBoard:
         are named: a live rank's poller beats four times a second. The heartbeat timeout would name the
         same rank, ``failure_timeout`` seconds later.
         """
+        ended = self._scripts_ended()
+        if ended:
+            who = ", ".join(f"{self.describe(r)} (rank {r})" for r in ended)
+            how = "; ".join(f"rank {r}: {how}" for r, how in ended.items())
+            if any(how != _NO_ERROR for how in ended.values()):
+                why = "see that rank's log for the error that ended it (an error outside a run is not reported here)"
+            else:
+                why = (
+                    "so the ranks did not make the same calls: this rank waited for it in a call that every rank must "
+                    "make. Common causes: a call under `if trainer.is_global_zero:` or `@rank_zero_only` that needs "
+                    "every rank (`trainer.save_checkpoint`, whose barrier waits for all; a Trainer's fit, validate, "
+                    "test or predict; a collective), or settings that end a run earlier on some ranks. Make such calls "
+                    "on every rank (a checkpoint is still written by rank 0 alone), or keep one rank's own work free "
+                    "of them (after a full-mode fit, `torch.save(trainer.lightning_module.state_dict(), path)` holds "
+                    "the whole model)"
+                )
+            they = len(ended) > 1
+            return PipelineError(
+                f"Lost the connection to {who} during {doing}: {'they' if they else 'it'} had already ended "
+                f"{'their scripts' if they else 'its script'} ({how}), {why}. "
+                f"The transport said: {type(error).__name__}: {error}"
+            )
         now = time.monotonic()
         gone = [r for r, (_, since) in sorted(self._beats.items()) if now - since > SILENT]
         who = ", ".join(f"{self.describe(r)} (rank {r})" for r in gone) or "another rank"
@@ -285,6 +327,25 @@ class FailureBoard:
             "signal or the out-of-memory killer, os._exit, a crash in native code) or its network failed; see "
             f"its own log. The transport said: {type(error).__name__}: {error}"
         )
+
+    def _scripts_ended(self) -> dict[int, str]:
+        """The other ranks whose scripts have ended, each with how (see :func:`_say_how_the_script_ended`).
+
+        Read on a helper thread that is given a second: the store's host may be gone, and its client would block.
+        """
+        base, found = self._base, {}
+        if base is None:
+            return {}
+
+        def read() -> None:
+            for rank in range(self.world_size):
+                if rank != self.rank and base.check([f"{_EXITED}/{rank}"]):
+                    found[rank] = base.get(f"{_EXITED}/{rank}").decode()
+
+        reader = threading.Thread(target=self._quietly, args=(read,), daemon=True)
+        reader.start()
+        reader.join(timeout=1.0)
+        return dict(found)
 
     # -- background threads --------------------------------------------------------------------------------
 
