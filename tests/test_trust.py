@@ -135,7 +135,7 @@ def test_a_script_that_catches_a_failed_trainer_call_exits_with_its_own_status(t
 
 
 @pytest.mark.parametrize("ranks", ["every", "zero"])
-def test_a_checkpoint_saved_after_fit_under_the_default_launcher_is_whole_and_a_save_on_rank_zero_alone_names_why_it_fails(
+def test_save_checkpoint_after_fit_writes_every_stage_and_on_rank_zero_alone_names_the_ended_peer(
     tmp_path, ranks
 ):
     # after `fit`, `trainer.save_checkpoint(path)` was refused (the optimizers hold one stage each); under
