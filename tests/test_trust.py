@@ -135,9 +135,7 @@ def test_a_script_that_catches_a_failed_trainer_call_exits_with_its_own_status(t
 
 
 @pytest.mark.parametrize("ranks", ["every", "zero"])
-def test_save_checkpoint_after_fit_writes_every_stage_and_on_rank_zero_alone_names_the_ended_peer(
-    tmp_path, ranks
-):
+def test_save_checkpoint_after_fit_writes_every_stage_and_on_rank_zero_alone_names_the_ended_peer(tmp_path, ranks):
     # after `fit`, `trainer.save_checkpoint(path)` was refused (the optimizers hold one stage each); under
     # `if trainer.is_global_zero:` rank 0's barrier then lost the other rank, which it said had crashed
     path = tmp_path / "after.ckpt"
