@@ -200,12 +200,34 @@ class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
             raise
         except BaseException:
             if self.procs:  # rank 0, which started the other ranks of this node
+                # the observer polls every few seconds: a rank whose death ended this one may not be named yet
+                _say_which_children_died(self.procs, "")
                 _end_children_at_exit(self.procs, self.children_grace)
             raise
 
 
 #: The ranks this process killed at its exit (``_end_children_at_exit``): the observer says nothing of them.
 _KILLED_AT_EXIT: set[int] = set()
+#: The processes whose end :func:`_say_which_children_died` has told, by pid: each is told once.
+_TOLD: set[int] = set()
+
+
+def _say_which_children_died(children: list[Any], then: str) -> bool:
+    """Write one line for each rank this process started that has ended with an error and was not told of yet; whether
+    any rank has ended so. ``then`` ends the line (what happens next)."""
+    ended = False
+    for rank, child in enumerate(children, start=1):
+        if not child.poll():
+            continue
+        ended = True
+        if child.pid in _KILLED_AT_EXIT or child.pid in _TOLD:
+            continue
+        _TOLD.add(child.pid)
+        code = child.returncode
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        sys.stderr.write(f"[lightning_gpipe] rank {rank} (pid {child.pid}) ended with {how}{then}\n")
+        sys.stderr.flush()
+    return ended
 
 
 def _patient_observer(grace: float) -> None:
@@ -224,22 +246,16 @@ def _patient_observer(grace: float) -> None:
             continue
         if getattr(run, "patient", False):  # made patient by an earlier fit of this script
             continue
-        died: dict[int, float] = {}
+        first_death: list[float] = []
+        next_ = "; the other ranks end with the pipeline's error that names it (Lightning's launcher kills them after "
+        next_ += f"{grace:.0f}s)"
 
-        def patient(run: Callable[[], bool] = run, children: list[Any] = children, died: dict = died) -> bool:
-            for rank, child in enumerate(children, start=1):
-                if child.poll() and rank not in died:
-                    died[rank] = time.monotonic()
-                    if child.pid in _KILLED_AT_EXIT:
-                        continue
-                    code = child.returncode
-                    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                    sys.stderr.write(
-                        f"[lightning_gpipe] rank {rank} (pid {child.pid}) ended with {how}; the other ranks end with "
-                        f"the pipeline's error that names it (Lightning's launcher kills them after {grace:.0f}s)\n"
-                    )
-                    sys.stderr.flush()
-            if died and time.monotonic() - min(died.values()) < grace:
+        def patient(
+            run: Callable[[], bool] = run, children: list[Any] = children, first: list = first_death, then: str = next_
+        ) -> bool:
+            if _say_which_children_died(children, then) and not first:
+                first.append(time.monotonic())
+            if first and time.monotonic() - first[0] < grace:
                 return False
             return run()
 

@@ -1806,7 +1806,7 @@ class GPipeStrategy(ParallelStrategy):
         if board is not None:
             board.publish(exception)
         if self.pipe is not None and self.pipe.has_peers:  # threads may wait on dead peers
-            exit_without_finalizers(board)
+            exit_without_finalizers(board, error=exception)
         found = board.found if board is not None else None
         return found if found is not None and found is not exception else None
 

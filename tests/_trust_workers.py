@@ -1000,3 +1000,36 @@ def saves_after_fit(path: str, ranks: str) -> None:
     if ranks == "every" or trainer.is_global_zero:
         trainer.save_checkpoint(path)
     print(f"rank {trainer.global_rank} done", flush=True)
+
+
+def exits_on_rank_one() -> None:
+    """A fit under Lightning's popen launcher whose rank 1 calls ``sys.exit(3)`` after batch 2 (``_ExitsOnRankOne``)."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    settings = M.trainer_kwargs(callbacks=[_ExitsOnRankOne()], max_steps=-1, max_epochs=1000)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=2, **settings)
+    trainer.fit(M.Net(), M.loader())
+
+
+class _KillsItself(Callback):
+    """SIGKILL to its own process on global rank ``rank`` before the backward of training batch 2 (the out-of-memory
+    killer's way)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_before_backward(self, trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_replica(rank: int, world_size: int) -> None:
+    """Two data-parallel replicas of a two-stage pipeline (4 ranks); rank 2, stage 0 of replica 1, is killed before
+    its backward of batch 2, so its replica partner (rank 0) loses it in the average of the gradients."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    strategy = GPipeStrategy(chunks=2, pipe_size=2, failure_timeout=5.0)
+    settings = M.trainer_kwargs(callbacks=[_KillsItself(2)], max_steps=-1, max_epochs=1000)
+    L.Trainer(strategy=strategy, devices=world_size, **settings).fit(M.Net(), M.loader())

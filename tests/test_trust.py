@@ -157,6 +157,32 @@ def test_save_checkpoint_after_fit_writes_every_stage_and_on_rank_zero_alone_nam
     assert "`if trainer.is_global_zero:`" in result.stderr and "killed by a signal" not in result.stderr
 
 
+def test_sys_exit_on_one_rank_under_the_default_launcher_ends_that_rank_with_its_code_and_the_others_naming_it(
+    tmp_path,
+):
+    # the rank that called `sys.exit(3)` in a step exited 0 (its SystemExit left no trace for the exit handlers that
+    # end a failed rank's process), so nothing said which rank ended or how
+    result = _failed_under_the_default_launcher(tmp_path, "exits_on_rank_one()")
+    assert re.search(r"\[lightning_gpipe\] rank 1 \(pid \d+\) ended with exit code 3", result.stderr), result.stderr[
+        -3000:
+    ]
+    assert "stage 1 (rank 1) failed: SystemExit: 3" in result.stderr
+
+
+def test_a_killed_replica_is_named_by_every_rank_instead_of_gloos_connection_reset(session_tmp):
+    # rank 0 waited for the replicas' gradient average on gloo's bare work: it ended with "RuntimeError: [...]
+    # Read error ... Connection reset by peer" and published that as its own failure, which rank 3 then carried
+    # ("stage 0 of replica 0 (rank 0) failed: RuntimeError: ..."), naming neither rank 2 nor its death
+    outcome = run_processes(W.killed_replica, 4, timeout=120)
+    assert outcome.exitcodes[2] == -signal.SIGKILL, outcome.exitcodes
+    assert all(code == 1 for r, code in enumerate(outcome.exitcodes) if r != 2), outcome.exitcodes
+    assert outcome.seconds < BOUND
+    for rank in (0, 1, 3):
+        error = outcome.errors[rank]
+        assert "(rank 2)" in error and "rank 0) failed: RuntimeError" not in error, f"rank {rank}: {error}"
+        assert not error.startswith("RuntimeError"), f"rank {rank}: {error}"
+
+
 def test_a_rank_hung_in_its_own_step_under_the_default_launcher_ends_with_its_stack_instead_of_outliving_the_job(
     tmp_path,
 ):

@@ -79,14 +79,20 @@ def _say_how_the_script_ended(store: dist.Store, rank: int) -> None:
     writer.join(timeout=1.0)  # a store whose host is gone must not hold the exit up
 
 
-def exit_without_finalizers(board: Optional["FailureBoard"] = None, code: Optional[int] = None) -> None:
+def exit_without_finalizers(
+    board: Optional["FailureBoard"] = None, code: Optional[int] = None, error: Optional[BaseException] = None
+) -> None:
     """At interpreter exit, end the process before the C++ finalizers run, with ``code`` or, by default, the status
     the interpreter would have given (:func:`_exit_status`).
 
     After a failed run, receiving threads may still be blocked on a dead or frozen peer; destroying
     their process groups at exit then aborts (SIGABRT) or blocks. Called once a run has failed. The rank that
-    hosts the store first waits (briefly) until the others have read the failure from it.
+    hosts the store first waits (briefly) until the others have read the failure from it. ``error``: the failure; a
+    ``SystemExit`` (``sys.exit(3)`` in a step) gives its code, which the exit handlers could not see otherwise (the
+    interpreter keeps no trace of the ``SystemExit`` that ends it; that rank exited 0).
     """
+    if isinstance(error, SystemExit):
+        _EXIT_CALLS.append(error.code)
     if getattr(exit_without_finalizers, "_registered", False):
         return
     exit_without_finalizers._registered = True  # type: ignore[attr-defined]

@@ -461,7 +461,7 @@ class GPipe(nn.Module):
         if sync is not None:
             if replicated is not None:
                 sync.add_replicated(replicated)
-            sync.finish()
+            sync.finish(self.watch("the average of the gradients over the data-parallel replicas"))
 
     def describe(self, rank: int) -> str:
         """How error messages name the stage of ``rank``."""

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gpipe.engine import distributed
+
 __all__ = [
     "GradientSync",
     "broadcast_buffers_from_first_replica",
@@ -151,8 +153,12 @@ class GradientSync:
         flat.div_(self.size)
         self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
 
-    def finish(self) -> None:
-        """Send the buckets still waiting, wait for all, and put the averages into ``.grad``."""
+    def finish(self, watch: Optional[distributed.Watch] = None) -> None:
+        """Send the buckets still waiting, wait for all, and put the averages into ``.grad``.
+
+        ``watch``: what the waits poll (:func:`~lightning_gpipe.engine.distributed.wait`), so that a replica that
+        failed or was killed is named, not only gloo's "Connection reset by peer".
+        """
         if not self.enabled or self.group is None:
             return
         for index, bucket in enumerate(self._stage):
@@ -161,7 +167,7 @@ class GradientSync:
         for bucket in self._replicated:
             self._launch(-1, bucket)
         for work, flat, bucket in self._works:
-            work.wait()
+            distributed.wait(work, watch, "all_reduce", self.group)
             offset = 0
             used = flat[-len(bucket) :].tolist()
             for p, anywhere in zip(bucket, used):
