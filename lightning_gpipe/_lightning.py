@@ -287,6 +287,8 @@ def _end_children_at_exit(children: list[Any], grace: float) -> None:
                 _KILLED_AT_EXIT.add(child.pid)
                 child.kill()
                 child.wait()
+        # a rank that published its failure and then ended while this one was already on its way out
+        _say_which_children_died(children, "")
 
     atexit.register(_end)
 
