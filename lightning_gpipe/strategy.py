@@ -1837,6 +1837,7 @@ class GPipeStrategy(ParallelStrategy):
         loudly instead of running with untrained weights.
         """
         sharded: Optional[tuple[nn.Module, str, nn.Sequential]] = None
+        trainer = self._trainer()
         if self.pipe is not None and not self._failed:
             module = self.lightning_module
             assert module is not None
@@ -1845,7 +1846,6 @@ class GPipeStrategy(ParallelStrategy):
                 sharded = (owner, name, self.pipe.full_sequential())
                 sharded_leftover.leave(sharded[2], self.pipe.balance, int(self.chunks), self.checkpoint)
             else:
-                trainer = self._trainer()
                 if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # while the pipe names their params
                     self._states_at_the_end = self._gather_states_at_the_end()
                 for copy_owner, copy_name, cut in self._copies:  # the weight averages, whole on every rank too
@@ -1858,7 +1858,6 @@ class GPipeStrategy(ParallelStrategy):
         self._sigterm.uninstall()
         self._requeue.uninstall()
         self._interrupt.uninstall()
-        trainer = self._trainer()
         if trainer is not None and self._mesh is not None:  # their metrics, computed after `fit`, count samples once
             metric_sync.keep_over(trainer.callbacks)  # type: ignore[attr-defined]
         metric_sync.sync_over_replicas(None, kept=self.replica_group)

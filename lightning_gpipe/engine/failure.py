@@ -215,7 +215,7 @@ class FailureBoard:
         self._beats: dict[int, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._base: Optional[dist.Store] = None  # the store without this run's namespace (for :data:`_EXITED`)
+        self._base = store  # without this run's namespace: where every process says how its script ended
 
     @classmethod
     def for_default_group(cls, describe: Callable[[int], str], namespace: str) -> "FailureBoard":
@@ -226,9 +226,7 @@ class FailureBoard:
         if store is not None and not getattr(_say_how_the_script_ended, "registered", False):
             _say_how_the_script_ended.registered = True  # type: ignore[attr-defined]
             atexit.register(_say_how_the_script_ended, store, rank)  # after the groups' destroyer: runs before it
-        board = cls(store, rank, dist.get_world_size(), describe, namespace)
-        board._base = store
-        return board
+        return cls(store, rank, dist.get_world_size(), describe, namespace)
 
     # -- the training thread's side: no store access ------------------------------------------------------
 
@@ -301,13 +299,14 @@ class FailureBoard:
         A rank that was killed (by a signal, the out-of-memory killer, ``os._exit``, a crash in native
         code) cannot report; its heartbeat stops. The ranks whose heartbeat has not moved for a second
         are named: a live rank's poller beats four times a second. The heartbeat timeout would name the
-        same rank, ``failure_timeout`` seconds later.
+        same rank, ``failure_timeout`` seconds later. A peer whose script had already ended (it said so at its exit,
+        see :func:`_say_how_the_script_ended`) is named as such, with the usual cause: the ranks made different calls.
         """
         ended = self._scripts_ended()
         if ended:
             who = ", ".join(f"{self.describe(r)} (rank {r})" for r in ended)
-            how = "; ".join(f"rank {r}: {how}" for r, how in ended.items())
-            if any(how != _NO_ERROR for how in ended.values()):
+            how = "; ".join(f"rank {r}: {ending}" for r, ending in ended.items())
+            if any(ending != _NO_ERROR for ending in ended.values()):
                 why = "see that rank's log for the error that ended it (an error outside a run is not reported here)"
             else:
                 why = (
