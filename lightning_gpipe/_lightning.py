@@ -104,21 +104,29 @@ def current_hook(module: "pl.LightningModule") -> str:
 
 
 OnFailure = Callable[[BaseException], Optional[BaseException]]
+#: Called on each rank whose Trainer call ended without an error, last of all (after the module's ``teardown`` hook).
+OnSuccess = Callable[[], None]
 
 
-def _reporting(function: Callable, on_failure: OnFailure) -> Callable:
+def _reporting(function: Callable, on_failure: OnFailure, on_success: OnSuccess) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
         except _TunerExitException:
             # how Lightning's tuner (`Tuner.lr_find`) ends the fit it ran on every rank, which Lightning then tears
             # down as a finished fit: not a failure (reported as one, the backbone stayed partitioned after it)
+            on_success()
             raise
         except BaseException as error:
             replacement = on_failure(error)
             if replacement is not None:
                 raise replacement from error
             raise
+        # Lightning's last hooks (`on_fit_end`, the module's `teardown`) run after the strategy's teardown, inside this
+        # call: a rank failing there exited 1 while the others had returned, and the job exited 0 (an outside tester's
+        # report). `on_success` waits for every rank's call to end, and raises another rank's failure.
+        on_success()
+        return result
 
     return run
 
@@ -184,6 +192,7 @@ class MainProcessLauncher(_MultiProcessingLauncher):
 
 class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
     on_failure: OnFailure
+    on_success: OnSuccess
     #: seconds from a failure on rank 0 to its exit after which the ranks it started that still run are killed
     children_grace: float
     #: seconds from a rank's death to Lightning's killing of every rank (see _patient_observer)
@@ -195,7 +204,9 @@ class _ReportingSubprocessLauncher(_SubprocessScriptLauncher):
             return function(*args, **kwargs)
 
         try:
-            return super().launch(_reporting(observed, self.on_failure), *args, trainer=trainer, **kwargs)
+            return super().launch(
+                _reporting(observed, self.on_failure, self.on_success), *args, trainer=trainer, **kwargs
+            )
         except _TunerExitException:
             raise
         except BaseException:
@@ -302,6 +313,7 @@ CHILDREN_GRACE = 30.0
 
 class _ReportingMultiProcessingLauncher(MainProcessLauncher):
     on_failure: OnFailure
+    on_success: OnSuccess
     on_workers_failure: Callable[[BaseException], None]
     _main_pid: Optional[int] = None  # the process that forwards SIGTERM (see launch)
 
@@ -368,7 +380,9 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
         self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, *args: Any, **kwargs: Any
     ) -> None:
         try:
-            super()._wrapping_function(process_idx, trainer, _reporting(function, self.on_failure), *args, **kwargs)
+            super()._wrapping_function(
+                process_idx, trainer, _reporting(function, self.on_failure, self.on_success), *args, **kwargs
+            )
         except (SystemExit, KeyboardInterrupt) as stop:
             strategy = trainer.strategy if trainer is not None else None
             if getattr(strategy, "failed", False):  # this rank's own failure, not a stop the ranks agreed on
@@ -384,18 +398,23 @@ class _ReportingMultiProcessingLauncher(MainProcessLauncher):
 
 
 def launcher(
-    strategy: Any, start_method: str, on_failure: OnFailure, on_workers_failure: Callable[[BaseException], None]
+    strategy: Any,
+    start_method: str,
+    on_failure: OnFailure,
+    on_success: OnSuccess,
+    on_workers_failure: Callable[[BaseException], None],
 ) -> _Launcher:
     """Lightning's launcher for ``start_method``, reporting an exception of the trainer function first.
 
-    Lightning catches an exception of ``fit`` (or ``validate``...) above the launcher and then calls
-    every callback's ``on_exception`` before the strategy's: a callback such as
-    ``OnExceptionCheckpoint`` would start a collective that the other stages, still waiting for
-    the failed one, never join. Reported here, inside the launcher (inside each spawned process for
-    spawn and fork), the failure reaches the other ranks before any callback runs. Lightning has no
-    hook at that point, so these subclass its launchers (private classes). ``on_failure`` may return
-    another exception to raise instead (from the original). ``on_workers_failure`` is called in the main process of
-    a spawn or fork launch when its workers failed or were interrupted.
+        Lightning catches an exception of ``fit`` (or ``validate``...) above the launcher and then calls
+        every callback's ``on_exception`` before the strategy's: a callback such as
+        ``OnExceptionCheckpoint`` would start a collective that the other stages, still waiting for
+        the failed one, never join. Reported here, inside the launcher (inside each spawned process for
+        spawn and fork), the failure reaches the other ranks before any callback runs. Lightning has no
+        hook at that point, so these subclass its launchers (private classes). ``on_failure`` may return
+        another exception to raise instead (from the original). ``on_success`` is called on each rank whose call ended
+    without an error, after Lightning's last hook of the call. ``on_workers_failure`` is called in the main process of
+        a spawn or fork launch when its workers failed or were interrupted.
     """
     chosen: Any
     if start_method == "popen":
@@ -405,7 +424,7 @@ def launcher(
             raise ValueError(f"`start_method` must be one of {START_METHODS}, got {start_method!r}.")
         chosen = _ReportingMultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
         chosen.on_workers_failure = on_workers_failure
-    chosen.on_failure = on_failure
+    chosen.on_failure, chosen.on_success = on_failure, on_success
     if isinstance(chosen, _ReportingSubprocessLauncher):  # the ranks end themselves by then
         chosen.children_grace = strategy.watchdog_grace + 5.0
         chosen.observer_grace = strategy.failure_timeout + strategy.watchdog_grace + 5.0

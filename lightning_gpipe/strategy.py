@@ -375,6 +375,8 @@ class GPipeStrategy(ParallelStrategy):
         self._train_batches = 0
         self._board: Optional[FailureBoard] = None
         self._failed = False
+        #: The call is ending in a stop every rank agreed on: its board stops in teardown (else see _end_call_together)
+        self._board_stops_in_teardown = False
         #: After a pipelined run, each rank's optimizers still hold only their stage's state (see ``optimizer_state``).
         self._stage_optimizers = False
         #: The whole model's optimizer states gathered at the end of a fit, by optimizer, on the first stage of each
@@ -444,7 +446,9 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._launcher = launcher(self, self._start_method, self._report_failure, self._workers_failed)
+        self._launcher = launcher(
+            self, self._start_method, self._report_failure, self._end_call_together, self._workers_failed
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -466,7 +470,7 @@ class GPipeStrategy(ParallelStrategy):
             print_stacks_on_a_crash()
         self._set_host_malloc()
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
-        self._failed = self._stage_optimizers = self._in_main_process = False
+        self._failed = self._stage_optimizers = self._in_main_process = self._board_stops_in_teardown = False
         if self.world_size > 1:  # before the first collective: a rank that never joins it is found by its heartbeat
             self._board.watch_deadlocks(after=self.failure_timeout + DEADLOCK_MARGIN)
             self._board.start(self.watchdog_grace, self.failure_timeout)
@@ -1800,6 +1804,7 @@ class GPipeStrategy(ParallelStrategy):
         exception is only how the blocked call it found ended (a peer closed the connection).
         """
         if self._sigterm.is_agreed_stop(exception) or self._interrupt.is_agreed_stop(exception):
+            self._board_stops_in_teardown = True  # Lightning's `on_exception` hooks and teardown still run collectives
             return None  # raised by every rank at one point: their collectives meet
         self._failed = True
         board = self._board
@@ -1809,6 +1814,30 @@ class GPipeStrategy(ParallelStrategy):
             exit_without_finalizers(board, error=exception)
         found = board.found if board is not None else None
         return found if found is not None and found is not exception else None
+
+    def _end_call_together(self) -> None:
+        """On each rank whose Trainer call ended without an error, after Lightning's last hook of the call: wait until
+        every rank's call has ended, then stop watching for failures.
+
+        Lightning calls ``on_fit_end`` and the module's ``teardown`` hook after the strategy's teardown. A rank that
+        failed there exited 1 while the others had returned from ``fit``, and the job exited 0 under the default
+        launcher (an outside tester's report; one device exits 1). Each rank now meets the others here, and a failure
+        of theirs, published on the board, is raised as this rank's ``PipelineError`` naming it. A peer that ended
+        without reporting breaks the barrier, and the board names it.
+        """
+        board = self._board
+        if board is None or self._failed:
+            return
+        if self.world_size > 1 and distributed.is_distributed():
+            doing = "the end of the Trainer's call, which every rank reaches"
+            try:
+                distributed.barrier(watch=distributed.Watching(board.raise_if_failed, doing, board.lost))
+            except BaseException as error:
+                replacement = self._report_failure(error)
+                if replacement is not None:
+                    raise replacement from error
+                raise
+        board.stop()
 
     def _workers_failed(self, exception: BaseException) -> None:
         """In the main process of a spawn or fork launch, which is no rank: its workers failed or were interrupted.
@@ -1864,7 +1893,9 @@ class GPipeStrategy(ParallelStrategy):
         if trainer is not None:  # the trainer's callbacks and checkpoint dump as the user left them
             dump_model_state_with(trainer, None)
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
-        if self._board is not None and not self._failed:  # after a failure it keeps watching until the exit
+        if self._board is not None and self._board_stops_in_teardown and not self._failed:
+            # A stop every rank agreed on (SIGTERM, Ctrl-C) ends here. Otherwise: after a failure it keeps watching
+            # until the exit, and after a call that ended normally, until every rank has ended it (_end_call_together)
             self._board.stop()
         with self._meta_backbone_aside():
             super().teardown()

@@ -1012,6 +1012,24 @@ def exits_on_rank_one() -> None:
     trainer.fit(M.Net(), M.loader())
 
 
+class _TeardownFailsOnRankOne(M.Net):
+    """Its ``teardown`` hook raises on rank 1: Lightning calls it after the strategy's teardown, last in ``fit``."""
+
+    def teardown(self, stage: str) -> None:
+        if self.trainer.global_rank == 1:
+            raise RuntimeError("the teardown hook fails on rank 1")
+
+
+def fails_in_teardown_hook() -> None:
+    """A fit under Lightning's popen launcher whose module's ``teardown`` hook raises on rank 1."""
+    from lightning_gpipe import GPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=2, **M.trainer_kwargs())
+    trainer.fit(_TeardownFailsOnRankOne(), M.loader())
+    print(f"fit returned on rank {trainer.global_rank}", flush=True)
+
+
 class _KillsItself(Callback):
     """SIGKILL to its own process on global rank ``rank`` before the backward of training batch 2 (the out-of-memory
     killer's way)."""

@@ -169,6 +169,14 @@ def test_sys_exit_on_one_rank_under_the_default_launcher_ends_that_rank_with_its
     assert "stage 1 (rank 1) failed: SystemExit: 3" in result.stderr
 
 
+def test_a_rank_failing_in_the_last_hook_of_fit_fails_the_others_fit_and_the_job(tmp_path):
+    # the module's `teardown` hook, which Lightning calls after the strategy's teardown: rank 1 exited 1, rank 0 had
+    # returned from `fit`, went on with its script and exited 0, and so did the job (one device exits 1)
+    result = _failed_under_the_default_launcher(tmp_path, "fails_in_teardown_hook()")
+    assert "stage 1 (rank 1) failed: RuntimeError: the teardown hook fails on rank 1" in result.stderr
+    assert "fit returned on rank 0" not in result.stdout, result.stdout
+
+
 def test_a_killed_replica_is_named_by_every_rank_instead_of_gloos_connection_reset(session_tmp):
     # rank 0 waited for the replicas' gradient average on gloo's bare work: it ended with "RuntimeError: [...]
     # Read error ... Connection reset by peer" and published that as its own failure, which rank 3 then carried
