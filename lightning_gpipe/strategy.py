@@ -1834,6 +1834,9 @@ class GPipeStrategy(ParallelStrategy):
                 distributed.barrier(watch=distributed.Watching(board.raise_if_failed, doing, board.lost))
             except BaseException as error:
                 replacement = self._report_failure(error)
+                # the barrier may still be pending (a peer that failed in those hooks and lives on): destroying the
+                # process group at exit then blocked (measured: ranks 1 and 2 never ended, until rank 0 killed them)
+                exit_without_finalizers(board, error=error)
                 if replacement is not None:
                     raise replacement from error
                 raise

@@ -1012,21 +1012,26 @@ def exits_on_rank_one() -> None:
     trainer.fit(M.Net(), M.loader())
 
 
-class _TeardownFailsOnRankOne(M.Net):
-    """Its ``teardown`` hook raises on rank 1: Lightning calls it after the strategy's teardown, last in ``fit``."""
+class _TeardownFails(M.Net):
+    """Its ``teardown`` hook raises on global rank ``rank``: Lightning calls it after the strategy's teardown, last in
+    ``fit``."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.failing_rank = rank
 
     def teardown(self, stage: str) -> None:
-        if self.trainer.global_rank == 1:
-            raise RuntimeError("the teardown hook fails on rank 1")
+        if self.trainer.global_rank == self.failing_rank:
+            raise RuntimeError(f"the teardown hook fails on rank {self.failing_rank}")
 
 
-def fails_in_teardown_hook() -> None:
-    """A fit under Lightning's popen launcher whose module's ``teardown`` hook raises on rank 1."""
+def fails_in_teardown_hook(rank: int) -> None:
+    """A fit over 3 stages under Lightning's popen launcher whose module's ``teardown`` hook raises on ``rank``."""
     from lightning_gpipe import GPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=2, **M.trainer_kwargs())
-    trainer.fit(_TeardownFailsOnRankOne(), M.loader())
+    trainer = L.Trainer(strategy=GPipeStrategy(chunks=2), devices=3, **M.trainer_kwargs())
+    trainer.fit(_TeardownFails(rank), M.loader())
     print(f"fit returned on rank {trainer.global_rank}", flush=True)
 
 

@@ -169,12 +169,21 @@ def test_sys_exit_on_one_rank_under_the_default_launcher_ends_that_rank_with_its
     assert "stage 1 (rank 1) failed: SystemExit: 3" in result.stderr
 
 
-def test_a_rank_failing_in_the_last_hook_of_fit_fails_the_others_fit_and_the_job(tmp_path):
+@pytest.mark.parametrize("rank", [2, 0])
+def test_a_rank_failing_in_the_last_hook_of_fit_fails_the_others_fit_and_the_job(tmp_path, rank):
     # the module's `teardown` hook, which Lightning calls after the strategy's teardown: rank 1 exited 1, rank 0 had
-    # returned from `fit`, went on with its script and exited 0, and so did the job (one device exits 1)
-    result = _failed_under_the_default_launcher(tmp_path, "fails_in_teardown_hook()")
-    assert "stage 1 (rank 1) failed: RuntimeError: the teardown hook fails on rank 1" in result.stderr
-    assert "fit returned on rank 0" not in result.stdout, result.stdout
+    # returned from `fit`, went on with its script and exited 0, and so did the job (one device exits 1). With the
+    # failure on rank 0, which lives on (it waits for the ranks it started), the others' end-of-call barrier stayed
+    # pending, and destroying their process groups at exit blocked until rank 0 killed them.
+    result = _failed_under_the_default_launcher(tmp_path, f"fails_in_teardown_hook({rank})")
+    others = [r for r in range(3) if r != rank]
+    for other in others:
+        expected = f"[rank{other}]: lightning_gpipe.engine.failure.PipelineError: stage {rank} (rank {rank}) failed: "
+        assert expected + f"RuntimeError: the teardown hook fails on rank {rank}" in result.stderr, result.stderr[
+            -3000:
+        ]
+    assert "fit returned on rank" not in result.stdout, result.stdout
+    assert "killing the process" not in result.stderr  # every rank ended by itself
 
 
 def test_a_killed_replica_is_named_by_every_rank_instead_of_gloos_connection_reset(session_tmp):
