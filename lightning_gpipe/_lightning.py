@@ -406,15 +406,15 @@ def launcher(
 ) -> _Launcher:
     """Lightning's launcher for ``start_method``, reporting an exception of the trainer function first.
 
-        Lightning catches an exception of ``fit`` (or ``validate``...) above the launcher and then calls
-        every callback's ``on_exception`` before the strategy's: a callback such as
-        ``OnExceptionCheckpoint`` would start a collective that the other stages, still waiting for
-        the failed one, never join. Reported here, inside the launcher (inside each spawned process for
-        spawn and fork), the failure reaches the other ranks before any callback runs. Lightning has no
-        hook at that point, so these subclass its launchers (private classes). ``on_failure`` may return
-        another exception to raise instead (from the original). ``on_success`` is called on each rank whose call ended
-    without an error, after Lightning's last hook of the call. ``on_workers_failure`` is called in the main process of
-        a spawn or fork launch when its workers failed or were interrupted.
+    Lightning catches an exception of ``fit`` (or ``validate``...) above the launcher and then calls
+    every callback's ``on_exception`` before the strategy's: a callback such as
+    ``OnExceptionCheckpoint`` would start a collective that the other stages, still waiting for
+    the failed one, never join. Reported here, inside the launcher (inside each spawned process for
+    spawn and fork), the failure reaches the other ranks before any callback runs. Lightning has no
+    hook at that point, so these subclass its launchers (private classes). ``on_failure`` may return
+    another exception to raise instead (from the original). ``on_success`` is called on each rank whose call ended
+    without an error, after Lightning's last hook of the call. ``on_workers_failure`` is called in the main process
+    of a spawn or fork launch when its workers failed or were interrupted.
     """
     chosen: Any
     if start_method == "popen":
