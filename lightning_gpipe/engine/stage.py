@@ -27,6 +27,7 @@ from lightning_gpipe.engine.deadlock import blocked
 from lightning_gpipe.engine.layer_errors import note_layer_error
 from lightning_gpipe.engine.lockstep import check_message
 from lightning_gpipe.engine.messages import EVAL_CALLS, Message, Tag
+from lightning_gpipe.engine.micro_batch_writes import named_state_writes, watching_state
 from lightning_gpipe.engine.replicas import GradientSync
 from lightning_gpipe.engine.rng import (
     HostDraws,
@@ -115,6 +116,9 @@ class StageRunner:
         #: (:mod:`lightning_gpipe.engine.sample_check`); ``per_sample_checked`` once it ran.
         self.check_per_sample = True
         self.per_sample_checked = False
+        #: Whether a training call cut into 2 micro-batches or more has been watched for layers that move their own
+        #: state in the forward (:mod:`lightning_gpipe.engine.micro_batch_writes`).
+        self.state_writes_watched = False
         self._held: Any = None  # micro-batch 0's input and skips, where micro-batches of one sample are checked joined
         self.grad_sync: Optional[GradientSync] = None  # set with data-parallel replicas
         self.after_drain: Optional[Callable[[], None]] = None  # e.g. sums tied weights' gradients over stages
@@ -360,10 +364,23 @@ class StageRunner:
                 layers_x, layers_received, watched = (
                     self._kept.for_forward(x, received) if recompute else (x, received, [])
                 )
-                with torch.set_grad_enabled(train and not recompute), self._span("forward", i), writes as buffers:
+                watch_state = train and i == 1 and not self.state_writes_watched
+                state: AbstractContextManager[dict[int, list[str]]] = (
+                    watching_state(self.layers) if watch_state else nullcontext({})
+                )
+                with (
+                    torch.set_grad_enabled(train and not recompute),
+                    self._span("forward", i),
+                    writes as buffers,
+                    state as moved,
+                ):
                     y, structure, leaving = self._run_layers(
                         layers_x, call, i, layers_received, run.host_keyed, drawing if i == 0 else None
                     )
+                if watch_state:
+                    self.state_writes_watched = True
+                    if moved:
+                        warnings.warn(named_state_writes(moved, self.layers, self.chunks), stacklevel=2)
                 if recompute:
                     self._kept.after_forward(watched, i)
                 elif train and self.is_first:
