@@ -103,6 +103,7 @@ from lightning_gpipe.engine.failure import (
 from lightning_gpipe.engine.grad_scaler import loss_scale_state
 from lightning_gpipe.engine.gradients import stage_norm_keys
 from lightning_gpipe.engine.host_malloc import keep_freed_memory
+from lightning_gpipe.engine.micro_batch_writes import frequency_scaled_embeddings
 from lightning_gpipe.engine.optimizers import accept_empty_parameter_lists
 from lightning_gpipe.engine.outer_layers import OuterLayers
 from lightning_gpipe.engine.partition import (
@@ -619,9 +620,21 @@ class GPipeStrategy(ParallelStrategy):
         return pipe
 
     def _warn_per_micro_batch_norms(self, sequential: nn.Sequential) -> None:
-        """Say out loud, once per setup on rank 0, that plain BatchNorm sees micro-batches (as in GPipe)."""
+        """Say out loud, once per setup on rank 0, that plain BatchNorm sees micro-batches (as in GPipe), and so do the
+        token counts of frequency-scaled embeddings."""
+        if self.chunks == 1:
+            return
+        embeddings = frequency_scaled_embeddings(sequential)
+        if embeddings:
+            rank_zero_warn(
+                f"`{self.backbone}` has embeddings built with scale_grad_by_freq=True "
+                f"({', '.join(f'{self.backbone}.{n}' for n in embeddings)}) and chunks={self.chunks}: their backward "
+                "scales each token's gradient by its count in the batch, and in the pipeline each micro-batch counts "
+                "its own tokens, so the gradients differ from a one-device run. GPipeStrategy(chunks=1), or "
+                "scale_grad_by_freq=False, gives the one-device result."
+            )
         names = per_micro_batch_norms(sequential)
-        if self.chunks == 1 or not names:
+        if not names:
             return
         shown = ", ".join(f"{self.backbone}.{n}" for n in names[:3]) + (
             f" and {len(names) - 3} more" if len(names) > 3 else ""

@@ -316,3 +316,28 @@ def test_layers_that_move_their_own_state_per_micro_batch_are_named_once_and_cac
     torch.manual_seed(0)
     assert _state_warnings(nn.Sequential(nn.Linear(6, 6), W.Counter(), nn.Linear(6, 2)), chunks=1) == []
     assert _state_warnings(nn.Sequential(nn.Linear(6, 6), _Cache(), nn.BatchNorm1d(6)), chunks=4) == []
+
+
+@pytest.mark.parametrize("chunks", [4, 1])
+def test_embeddings_that_scale_gradients_by_token_counts_are_named_at_setup_with_more_than_one_chunk(chunks):
+    # `nn.Embedding(scale_grad_by_freq=True)` divides each token's gradient by its count in the batch; each micro-batch
+    # counted its own tokens, so K=2, chunks=4 trained 1.2e-3 off one device in the embedding after 4 steps, and no
+    # check could see it (the forward is per sample): an outside tester's finding
+    import warnings
+
+    from lightning_gpipe import GPipeStrategy
+
+    backbone = nn.Sequential(
+        nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(8, 4), nn.EmbeddingBag(5, 4),
+    )  # fmt: skip
+    backbone[3].scale_grad_by_freq = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GPipeStrategy(chunks=chunks)._warn_per_micro_batch_norms(backbone)
+    messages = [str(w.message) for w in caught if "scale_grad_by_freq" in str(w.message)]
+    if chunks == 1:
+        assert messages == []
+        return
+    assert len(messages) == 1, messages
+    assert "(backbone.0, backbone.3) and chunks=4" in messages[0]
+    assert "GPipeStrategy(chunks=1), or scale_grad_by_freq=False, gives the one-device result" in messages[0]

@@ -846,7 +846,10 @@ class GPipe(nn.Module):
             f"`[p for n, p in self.named_parameters() if n.startswith('{name}.')]` (empty on the stages "
             "without the layer), or use `local_layers()` for this stage's (index, layer) pairs. (In "
             "`configure_optimizers`, selecting layers by position works: another stage's layer reads there as its "
-            "`meta` copy, whose parameters the optimizers leave out.) " + _RUN_THE_PIPE
+            "`meta` copy, whose parameters the optimizers leave out.) In a `BaseFinetuning` callback, give `freeze` "
+            "and `unfreeze_and_add_param_group` the whole backbone (`pl_module.backbone`): each stage then walks its "
+            "own layers, as `BackboneFinetuning` does; a part of it chosen by position would add a param group on "
+            "some stages only. " + _RUN_THE_PIPE
         )
 
     def _describe_layer(self, i: int) -> str:
