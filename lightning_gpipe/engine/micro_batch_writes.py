@@ -87,11 +87,13 @@ def _state(layers: list[tuple[int, nn.Module]]) -> dict[_Key, Any]:
     return state
 
 
-def _current(layers: list[tuple[int, nn.Module]], key: _Key) -> Any:
+def _current(layers: dict[int, nn.Module], key: _Key) -> Any:
     index, dotted = key
-    layer = dict(layers)[index]
     path, _, name = dotted.rpartition(".")
-    module = layer.get_submodule(path) if path else layer
+    try:
+        module = layers[index].get_submodule(path) if path else layers[index]
+    except AttributeError:  # a submodule the forward removed: its state is gone
+        return _MISSING
     buffer = module._buffers.get(name)
     return buffer if buffer is not None else vars(module).get(name, _MISSING)
 
@@ -103,8 +105,9 @@ def watching_state(layers: list[tuple[int, nn.Module]]) -> Iterator[dict[int, li
     before = _state(layers)
     moved: dict[int, list[str]] = {}
     yield moved
+    by_index = dict(layers)
     for key, then in before.items():
-        if _moved(_current(layers, key), then):
+        if _moved(_current(by_index, key), then):
             moved.setdefault(key[0], []).append(key[1])
 
 
