@@ -98,6 +98,10 @@ def test_the_same_layer_object_on_two_stages_is_refused_naming_the_layers_and_th
         find_ties(sequential, [2, 2])  # GPipe calls it first thing, before any collective
     ties = find_ties(sequential, [1, 3])  # on one stage: an ordinary tie within it
     assert [(t.spots, t.stages) for t in ties] == [(("1.weight", "3.weight"), (1,)), (("1.bias", "3.bias"), (1,))]
+    # a layer held inside a later one (a decoder that keeps the encoder layer): it was called "the same Linear object"
+    holder = nn.Sequential(shared)  # an outside tester's `TransposedOf(enc)`, the kind that contains the layer
+    with pytest.raises(ValueError, match=r"The Linear object of layer 1 is also held inside layer 3 of the Sequential"):
+        find_ties(nn.Sequential(nn.Linear(4, 4), shared, nn.ReLU(), holder), [2, 2])
     relu = nn.ReLU()  # a stateless module may sit on two stages
     assert find_ties(nn.Sequential(nn.Linear(4, 4), relu, nn.Linear(4, 4), relu), [2, 2]) == []
 

@@ -84,11 +84,17 @@ def find_ties(module: nn.Sequential, balance: list[int]) -> list[Tie]:
     for sub, path, layers in shared_modules(module):
         stages = sorted({where[i] for i in layers})
         if len(stages) > 1:
-            what = (
-                f"Layers {layers} of the Sequential are the same {type(sub).__name__} object"
-                if path == names[layers[0]]
-                else f"Layers {layers} share the submodule `{path}` ({type(sub).__name__})"
-            )
+            itself = [i for i in layers if module[i] is sub]
+            if len(itself) == len(layers):
+                what = f"Layers {layers} of the Sequential are the same {type(sub).__name__} object"
+            elif itself:  # a layer, held inside others too (an autoencoder's decoder holding the encoder layer)
+                inside = [i for i in layers if i not in itself]
+                what = (
+                    f"The {type(sub).__name__} object of layer {itself[0]} is also held inside layer"
+                    f"{'s' if len(inside) > 1 else ''} {inside[0] if len(inside) == 1 else inside} of the Sequential"
+                )
+            else:
+                what = f"Layers {layers} share the submodule `{path}` ({type(sub).__name__})"
             raise ValueError(
                 f"{what}, but the split (balance={list(balance)}) puts them on stages {stages}: one module cannot run "
                 "on two stages. Keep them on one stage with `balance`, or use a separate module for each place and "
