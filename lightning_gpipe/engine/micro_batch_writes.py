@@ -14,6 +14,10 @@ then kept is not taken for state that moves; values, not identities, so that a c
 not either. BatchNorm (its own warning) and this package's layers made for micro-batches (``DeferredBatchNorm``) are
 left out. The cost: one copy of the stage's buffers and layer attributes, once.
 
+The same holds for a layer whose backward counts over the batch: an embedding built with ``scale_grad_by_freq=True``
+divides each token's gradient by its count, which each micro-batch takes over its own tokens. Its settings say so,
+and the strategy names it at setup (:func:`frequency_scaled_embeddings`).
+
 Written here because nothing in torch or Lightning says which layers keep state across calls.
 """
 
