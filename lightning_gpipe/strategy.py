@@ -376,8 +376,6 @@ class GPipeStrategy(ParallelStrategy):
         self._train_batches = 0
         self._board: Optional[FailureBoard] = None
         self._failed = False
-        #: The call is ending in a stop every rank agreed on: its board stops in teardown (else see _end_call_together)
-        self._board_stops_in_teardown = False
         #: After a pipelined run, each rank's optimizers still hold only their stage's state (see ``optimizer_state``).
         self._stage_optimizers = False
         #: The whole model's optimizer states gathered at the end of a fit, by optimizer, on the first stage of each
@@ -471,7 +469,7 @@ class GPipeStrategy(ParallelStrategy):
             print_stacks_on_a_crash()
         self._set_host_malloc()
         self._board = FailureBoard.for_default_group(self._describe, namespace=f"lightning_gpipe/{next(_runs)}")
-        self._failed = self._stage_optimizers = self._in_main_process = self._board_stops_in_teardown = False
+        self._failed = self._stage_optimizers = self._in_main_process = False
         if self.world_size > 1:  # before the first collective: a rank that never joins it is found by its heartbeat
             self._board.watch_deadlocks(after=self.failure_timeout + DEADLOCK_MARGIN)
             self._board.start(self.watchdog_grace, self.failure_timeout)
@@ -586,7 +584,7 @@ class GPipeStrategy(ParallelStrategy):
             balance = planned if planned is not None else self._choose_balance(sequential, layout.pipe_size)
         if self.deferred_batch_norm:  # after profiling (which would count as micro-batches), before partitioning
             DeferredBatchNorm.convert_deferred_batch_norm(sequential, self.chunks)
-        self._warn_per_micro_batch_norms(sequential)
+        self._warn_per_micro_batch_statistics(sequential)
         refuse_ties_outside(module, sequential, self.backbone + ".")
         self._full_names = [n for n, _ in module.named_parameters()]
         pipe = GPipe(
@@ -619,7 +617,7 @@ class GPipeStrategy(ParallelStrategy):
         setattr(owner, name, pipe)
         return pipe
 
-    def _warn_per_micro_batch_norms(self, sequential: nn.Sequential) -> None:
+    def _warn_per_micro_batch_statistics(self, sequential: nn.Sequential) -> None:
         """Say out loud, once per setup on rank 0, that plain BatchNorm sees micro-batches (as in GPipe), and so do the
         token counts of frequency-scaled embeddings."""
         if self.chunks == 1:
@@ -1817,7 +1815,6 @@ class GPipeStrategy(ParallelStrategy):
         exception is only how the blocked call it found ended (a peer closed the connection).
         """
         if self._sigterm.is_agreed_stop(exception) or self._interrupt.is_agreed_stop(exception):
-            self._board_stops_in_teardown = True  # Lightning's `on_exception` hooks and teardown still run collectives
             return None  # raised by every rank at one point: their collectives meet
         self._failed = True
         board = self._board
@@ -1909,9 +1906,10 @@ class GPipeStrategy(ParallelStrategy):
         if trainer is not None:  # the trainer's callbacks and checkpoint dump as the user left them
             dump_model_state_with(trainer, None)
             trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopTogether)]  # type: ignore[attr-defined]
-        if self._board is not None and self._board_stops_in_teardown and not self._failed:
-            # A stop every rank agreed on (SIGTERM, Ctrl-C) ends here. Otherwise: after a failure it keeps watching
-            # until the exit, and after a call that ended normally, until every rank has ended it (_end_call_together)
+        if self._board is not None and not self._failed and (trainer is None or trainer.interrupted):
+            # A stop every rank agreed on (SIGTERM, Ctrl-C: Lightning's `on_exception` hooks and this teardown still
+            # ran collectives) ends here. After a failure the board keeps watching until the exit; after a call that
+            # ended normally, until every rank has ended it (`_end_call_together`, after Lightning's last hooks).
             self._board.stop()
         with self._meta_backbone_aside():
             super().teardown()

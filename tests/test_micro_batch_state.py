@@ -333,7 +333,7 @@ def test_embeddings_that_scale_gradients_by_token_counts_are_named_at_setup_with
     backbone[3].scale_grad_by_freq = True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        GPipeStrategy(chunks=chunks)._warn_per_micro_batch_norms(backbone)
+        GPipeStrategy(chunks=chunks)._warn_per_micro_batch_statistics(backbone)
     messages = [str(w.message) for w in caught if "scale_grad_by_freq" in str(w.message)]
     if chunks == 1:
         assert messages == []

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["AttributeWrites", "attributes_kept", "layer_attributes"]
+__all__ = ["AttributeWrites", "attributes_kept", "keeps_attributes", "layer_attributes"]
 
 #: What every nn.Module keeps in its ``__dict__`` (parameters, buffers, submodules, hooks, the training flag):
 #: the module's machinery, not a layer's own state.
@@ -32,9 +32,14 @@ _MACHINERY = frozenset(vars(nn.Module()))
 _MISSING = object()
 
 
+def keeps_attributes(module: nn.Module) -> bool:
+    """Whether ``module``'s forward may write its plain attributes: a module of another package than torch."""
+    return not type(module).__module__.startswith("torch.")
+
+
 def _watched(stage: nn.Module) -> list[nn.Module]:
-    """The modules whose attributes a forward may write: those of other packages than torch."""
-    return [m for m in stage.modules() if not type(m).__module__.startswith("torch.")]
+    """The modules whose attributes a forward may write."""
+    return [m for m in stage.modules() if keeps_attributes(m)]
 
 
 class AttributeWrites:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpipe.engine.forward_attributes import _MACHINERY
+from lightning_gpipe.engine.forward_attributes import _MACHINERY, keeps_attributes
 
 __all__ = ["frequency_scaled_embeddings", "named_state_writes", "watching_state"]
 
@@ -83,7 +83,7 @@ def _state(layers: list[tuple[int, nn.Module]]) -> dict[_Key, Any]:
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     state[(index, prefix + name)] = _snapshot(buffer)
-            if type(module).__module__.startswith("torch."):  # torch's layers keep their state in buffers
+            if not keeps_attributes(module):  # torch's layers keep their state in buffers
                 continue
             for name, value in vars(module).items():
                 if name not in _MACHINERY and not isinstance(value, nn.Module):
